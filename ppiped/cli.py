@@ -1,0 +1,41 @@
+"""The ``ppiped`` command. Each subcommand lives beside the code it drives and registers here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from .errors import UserError
+
+# module path -> each module defines ``register(subparsers)``; add a line when a command exists.
+COMMANDS = [
+    "ppiped.commands.check",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="ppiped",
+        description="Pipelined CNN inference serving for heterogeneous GPU clusters (PPipe).",
+    )
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for mod in COMMANDS:
+        importlib.import_module(mod).register(sub)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"ppiped {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Profile format ``ppiped-profile/1``: per-block latencies and boundary sizes of one model.
+
+The layout is that of the PPipe artifact's profiling data, so ``../shared/data/ppipe/models``
+loads as is. Latencies are microseconds, bytes are at batch size 1 (fp16 feature maps).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROFILE_FORMAT = "ppiped-profile/1"
+
+
+class ProfileError(ValueError):
+    """A profile file is malformed; the message names the file and the field."""
+
+
+@dataclass
+class Profile:
+    """One model's profile, with latencies as arrays for fast range sums.
+
+    ``latency[gpu][split]`` has shape (num_blocks, max_batch) in µs; ``cum[gpu][split]`` is its
+    prefix sum over blocks with a leading zero row, so any block range costs two lookups.
+    """
+
+    model: str
+    num_blocks: int
+    latency: dict[str, dict[int, np.ndarray]]
+    boundary_bytes: np.ndarray
+    whole_model_latency_us: dict[str, float]
+    extra: dict[str, Any] = field(default_factory=dict)
+    source: str = "<memory>"
+    cum: dict[str, dict[int, np.ndarray]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.cum = {
+            g: {v: np.vstack([np.zeros((1, a.shape[1])), np.cumsum(a, axis=0)]) for v, a in sp.items()}
+            for g, sp in self.latency.items()
+        }
+
+    @property
+    def gpus(self) -> list[str]:
+        return list(self.latency)
+
+    def splits(self, gpu: str) -> list[int]:
+        return sorted(self.latency.get(gpu, {}))
+
+    def max_batch(self, gpu: str, split: int) -> int:
+        """Largest profiled batch size at this GPU and split (0 if not profiled)."""
+        a = self.latency.get(gpu, {}).get(split)
+        return 0 if a is None else int(a.shape[1])
+
+    def partition_latency_us(self, gpu: str, split: int, start: int, end: int, bs: int) -> float:
+        """Inference latency of blocks [start, end) at batch size ``bs``."""
+        c = self.cum[gpu][split]
+        return float(c[end, bs - 1] - c[start, bs - 1])
+
+    def transfer_us(self, end: int, bs: int, nic_gbps: float) -> float:
+        """Time to send the feature map leaving block ``end - 1`` for a batch (0 after the last block)."""
+        if end >= self.num_blocks:
+            return 0.0
+        return float(self.boundary_bytes[end - 1]) * bs * 8.0 / (nic_gbps * 1e3)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format": PROFILE_FORMAT,
+            "model": self.model,
+            "num_blocks": self.num_blocks,
+            "block_latency_us": {
+                g: {str(v): a.tolist() for v, a in sorted(sp.items())} for g, sp in self.latency.items()
+            },
+            "boundary_bytes": [int(b) for b in self.boundary_bytes],
+            "whole_model_latency_us": dict(self.whole_model_latency_us),
+        }
+        out.update(self.extra)
+        return out
+
+
+def _num(x: Any, where: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+        raise ProfileError(f"{where}: expected a positive finite number, got {x!r}")
+    return float(x)
+
+
+def profile_from_json(d: Any, source: str = "<memory>") -> Profile:
+    """Validate a decoded profile and build a :class:`Profile`. Errors name ``source`` and the field."""
+    if not isinstance(d, dict):
+        raise ProfileError(f"{source}: a profile is a JSON object, got {type(d).__name__}")
+    fmt = d.get("format", PROFILE_FORMAT)
+    if fmt != PROFILE_FORMAT:
+        raise ProfileError(f"{source}: field format: expected {PROFILE_FORMAT!r}, got {fmt!r}")
+    for key in ("model", "num_blocks", "block_latency_us", "boundary_bytes", "whole_model_latency_us"):
+        if key not in d:
+            raise ProfileError(f"{source}: missing field {key!r}")
+    model = d["model"]
+    if not isinstance(model, str) or not model:
+        raise ProfileError(f"{source}: field model: expected a non-empty string")
+    nb = d["num_blocks"]
+    if isinstance(nb, bool) or not isinstance(nb, int) or nb < 1:
+        raise ProfileError(f"{source}: field num_blocks: expected a positive integer, got {nb!r}")
+    bl = d["block_latency_us"]
+    if not isinstance(bl, dict) or not bl:
+        raise ProfileError(f"{source}: field block_latency_us: expected a non-empty object keyed by GPU")
+    latency: dict[str, dict[int, np.ndarray]] = {}
+    for gpu, per_split in bl.items():
+        if not isinstance(per_split, dict) or not per_split:
+            raise ProfileError(f"{source}: field block_latency_us.{gpu}: expected an object keyed by split")
+        latency[gpu] = {}
+        for sk, blocks in per_split.items():
+            where = f"{source}: field block_latency_us.{gpu}.{sk}"
+            try:
+                split = int(sk)
+            except ValueError:
+                raise ProfileError(f"{where}: split key must be an integer like '1'") from None
+            if split < 1:
+                raise ProfileError(f"{where}: split must be >= 1")
+            if not isinstance(blocks, list) or len(blocks) != nb:
+                n = len(blocks) if isinstance(blocks, list) else type(blocks).__name__
+                raise ProfileError(f"{where}: expected {nb} blocks (num_blocks), got {n}")
+            widths = {len(b) if isinstance(b, list) else -1 for b in blocks}
+            if len(widths) != 1 or min(widths) < 1:
+                raise ProfileError(f"{where}: every block needs the same non-empty list of batch sizes")
+            arr = np.array(
+                [[_num(x, f"{where}[{i}][{j}]") for j, x in enumerate(b)] for i, b in enumerate(blocks)],
+                dtype=np.float64,
+            )
+            latency[gpu][split] = arr
+    bb = d["boundary_bytes"]
+    if not isinstance(bb, list) or len(bb) != nb - 1:
+        n = len(bb) if isinstance(bb, list) else type(bb).__name__
+        raise ProfileError(f"{source}: field boundary_bytes: expected {nb - 1} entries, got {n}")
+    boundary = np.array([_num(x, f"{source}: field boundary_bytes[{i}]") for i, x in enumerate(bb)])
+    wm = d["whole_model_latency_us"]
+    if not isinstance(wm, dict) or not wm:
+        raise ProfileError(f"{source}: field whole_model_latency_us: expected an object keyed by GPU")
+    whole = {g: _num(x, f"{source}: field whole_model_latency_us.{g}") for g, x in wm.items()}
+    known = {"format", "model", "num_blocks", "block_latency_us", "boundary_bytes", "whole_model_latency_us"}
+    extra = {k: v for k, v in d.items() if k not in known}
+    return Profile(model, nb, latency, boundary, whole, extra, source)
+
+
+def load_profile(path: str | Path) -> Profile:
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{path}: not valid JSON: {e}") from None
+    return profile_from_json(d, str(path))
+
+
+def load_profiles(directory: str | Path, models: Iterable[str] | None = None) -> dict[str, Profile]:
+    """Load every ``*.json`` profile in ``directory`` (or only ``models``), keyed by model name."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ProfileError(f"{directory}: profile directory does not exist")
+    out: dict[str, Profile] = {}
+    wanted = None if models is None else list(models)
+    if wanted is not None:
+        for m in wanted:
+            p = directory / f"{m}.json"
+            if not p.exists():
+                have = sorted(q.stem for q in directory.glob("*.json"))
+                raise ProfileError(f"unknown model {m!r}: no {p} (profiles here: {', '.join(have) or 'none'})")
+            out[m] = load_profile(p)
+        return out
+    for p in sorted(directory.glob("*.json")):
+        prof = load_profile(p)
+        out[prof.model] = prof
+    if not out:
+        raise ProfileError(f"{directory}: no profile files (*.json)")
+    return out
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile.to_json(), indent=1) + "\n")
