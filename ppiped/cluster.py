@@ -17,10 +17,11 @@ Read from TOML::
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 
 class ClusterError(ValueError):
