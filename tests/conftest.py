@@ -1,0 +1,35 @@
+"""Shared fixtures: the public PPipe data beside the project, skipped cleanly where absent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "ppipe"
+MODELS_DIR = SHARED / "models"
+REFERENCE_DIR = SHARED / "reference-plans" / "maf21"
+
+
+def reference_plans(algo: str | None = None) -> list[Path]:
+    if not REFERENCE_DIR.is_dir():
+        return []
+    pat = f"*_{algo}.json" if algo else "*.json"
+    return sorted(REFERENCE_DIR.glob(pat))
+
+
+@pytest.fixture(scope="session")
+def shared_profiles():
+    if not MODELS_DIR.is_dir():
+        pytest.skip("../shared/data/ppipe is not present")
+    from ppiped.profiles import load_profiles
+
+    return load_profiles(MODELS_DIR)
+
+
+@pytest.fixture
+def reference_plan_path():
+    plans = reference_plans("v4")
+    if not plans:
+        pytest.skip("../shared/data/ppipe is not present")
+    return plans[0]

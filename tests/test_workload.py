@@ -1,0 +1,58 @@
+"""Arrival processes: rates, burstiness, replay, determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ppiped.errors import InputError
+from ppiped.sim.workload import azure_functions, gamma_bursty, generate, poisson
+
+
+def cv_of_gaps(t):
+    g = np.diff(t)
+    return g.std() / g.mean()
+
+
+def test_poisson_rate_and_cv():
+    t = poisson(2000, 20, np.random.default_rng(1))
+    assert abs(len(t) / 20 / 2000 - 1) < 0.03
+    assert abs(cv_of_gaps(t) - 1) < 0.05
+    assert np.all(np.diff(t) >= 0) and t[-1] < 20e6
+
+
+def test_bursty_is_burstier_at_same_rate():
+    t = gamma_bursty(2000, 60, np.random.default_rng(2), cv=4)
+    assert abs(len(t) / 60 / 2000 - 1) < 0.15
+    assert cv_of_gaps(t) > 3
+    with pytest.raises(InputError):
+        gamma_bursty(10, 1, np.random.default_rng(0), cv=0)
+
+
+def test_same_seed_same_trace_bit_for_bit():
+    a = generate("bursty", [100, 300], 5, seed=7)
+    b = generate("bursty", [100, 300], 5, seed=7)
+    c = generate("bursty", [100, 300], 5, seed=8)
+    assert np.array_equal(a.times_us, b.times_us) and np.array_equal(a.model, b.model)
+    assert not np.array_equal(a.times_us, c.times_us)
+    share = (a.model == 1).mean()
+    assert 0.6 < share < 0.9
+
+
+def test_azure_replay_rescaled(tmp_path):
+    f = tmp_path / "azure.csv"
+    rng = np.random.default_rng(3)
+    ends = np.sort(rng.uniform(0, 3600, 5000))
+    with f.open("w") as fh:
+        fh.write("app,func,end_timestamp,duration\n")
+        for e in ends:
+            fh.write(f"a,f,{e + 0.5:.6f},0.5\n")
+    t = azure_functions(f, 500, 30, np.random.default_rng(0))
+    assert abs(len(t) / 30 / 500 - 1) < 0.1
+    tr = generate(str(f), [500], 30, seed=1)
+    assert len(tr) == pytest.approx(15000, rel=0.1)
+    (tmp_path / "bad.csv").write_text("app,func,when\n")
+    with pytest.raises(InputError, match="missing duration, end_timestamp"):
+        azure_functions(tmp_path / "bad.csv", 1, 1, rng)
+    with pytest.raises(InputError, match="unknown trace"):
+        generate("nosuchfile.csv", [1], 1, seed=0)
