@@ -1,0 +1,92 @@
+"""Load-factor sweep: the largest load at which every model keeps its SLO attainment target.
+
+The search is generic over a ``run(load_factor) -> min attainment`` function, so the same
+search serves the simulator, the figure-6 bench and (later) sweeps against a live daemon.
+Attainment is assumed to fall as load rises; the search steps up coarsely and then bisects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SweepResult:
+    max_load_factor: float
+    points: dict[float, float] = field(default_factory=dict)  # load factor -> min attainment
+
+    def curve(self) -> list[tuple[float, float]]:
+        return sorted(self.points.items())
+
+
+def sweep(
+    run: Callable[[float], float],
+    target: float = 0.99,
+    step: float = 0.05,
+    resolution: float = 0.01,
+    max_factor: float = 3.0,
+    pool: Executor | None = None,
+    width: int = 1,
+) -> SweepResult:
+    """Find the largest load factor (multiple of ``resolution``) with attainment ≥ ``target``.
+
+    Coarse phase: factors ``step, 2·step, …`` until one fails, ``width`` at a time (in ``pool``
+    when given, so both cores are busy). Fine phase: bisection between the last pass and the
+    first failure down to ``resolution``. Returns 0 when even the smallest step fails.
+    """
+    points: dict[float, float] = {}
+
+    def evaluate(factors: list[float]) -> None:
+        todo = [f for f in factors if f not in points]
+        if pool is not None and len(todo) > 1:
+            for f, a in zip(todo, pool.map(run, todo), strict=True):
+                points[f] = a
+        else:
+            for f in todo:
+                points[f] = run(f)
+
+    def q(x: float) -> float:
+        return round(round(x / resolution) * resolution, 10)
+
+    ok, bad = 0.0, None
+    k = 1
+    while bad is None:
+        batch = [q(step * (k + i)) for i in range(max(1, width))]
+        batch = [f for f in batch if f <= max_factor + 1e-9]
+        if not batch:
+            break
+        evaluate(batch)
+        for f in batch:
+            if points[f] >= target:
+                ok = f
+            else:
+                bad = f
+                break
+        k += len(batch)
+    if bad is None:
+        return SweepResult(ok, points)
+    lo_steps, hi_steps = round(ok / resolution), round(bad / resolution)
+    while hi_steps - lo_steps > 1:
+        if pool is not None and width > 1 and hi_steps - lo_steps > 2:
+            # Probe two interior points at once: the interval shrinks to a third.
+            a = lo_steps + (hi_steps - lo_steps) // 3
+            b = lo_steps + 2 * (hi_steps - lo_steps) // 3
+            a, b = max(a, lo_steps + 1), max(b, a + 1)
+            evaluate([q(a * resolution), q(b * resolution)])
+            if points[q(b * resolution)] >= target:
+                lo_steps = b
+            elif points[q(a * resolution)] >= target:
+                lo_steps, hi_steps = a, b
+            else:
+                hi_steps = a
+        else:
+            mid = (lo_steps + hi_steps) // 2
+            f = q(mid * resolution)
+            evaluate([f])
+            if points[f] >= target:
+                lo_steps = mid
+            else:
+                hi_steps = mid
+    return SweepResult(q(lo_steps * resolution), points)

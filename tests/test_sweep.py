@@ -1,0 +1,33 @@
+"""The load-factor search finds the threshold of any monotone attainment curve."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from ppiped.sim.sweep import sweep
+
+
+@pytest.mark.parametrize("threshold", [0.01, 0.37, 0.87, 0.9, 1.23])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_sweep_finds_threshold(threshold, parallel):
+    calls = []
+
+    def run(lf):
+        calls.append(lf)
+        return 1.0 if lf <= threshold + 1e-9 else 0.95
+
+    if parallel:
+        with ThreadPoolExecutor(2) as pool:
+            r = sweep(run, pool=pool, width=2)
+    else:
+        r = sweep(run)
+    assert r.max_load_factor == pytest.approx(threshold)
+    assert len(calls) == len(set(calls)), "no load factor is simulated twice"
+    assert len(calls) < threshold / 0.05 + 12
+
+
+def test_sweep_zero_when_nothing_passes_and_cap():
+    assert sweep(lambda lf: 0.5).max_load_factor == 0.0
+    assert sweep(lambda lf: 1.0, max_factor=0.5).max_load_factor == pytest.approx(0.5)
