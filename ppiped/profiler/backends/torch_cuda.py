@@ -1,0 +1,206 @@
+"""CUDA through PyTorch, for GPU machines where TensorRT cannot be installed.
+
+A small interpreter maps the ONNX operators CNNs use onto torch ops in fp16 (channels-last,
+BatchNormalization folded into the preceding convolution, as TensorRT does) and replays each batch
+size from a CUDA graph, so the figure is GPU time without Python's per-op launch cost. It is not
+TensorRT: it fuses less, so its latencies are an upper bound of what an engine would take, and the
+profile labels them ``torch``. torch is imported only when this backend is chosen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ...errors import InputError
+
+SUPPORTED = {"Conv", "BatchNormalization", "Relu", "Add", "Sub", "Mul", "Div", "MaxPool", "AveragePool",
+             "GlobalAveragePool", "Flatten", "Gemm", "MatMul", "Cast", "Identity", "Sigmoid", "Clip",
+             "Concat", "HardSwish", "HardSigmoid", "Tanh"}
+
+
+def _import():
+    try:
+        import torch
+        import torch.nn.functional as F  # noqa: N812
+    except ImportError as e:
+        raise InputError(f"the torch backend needs PyTorch with CUDA ({e})") from None
+    if not torch.cuda.is_available():
+        raise InputError("the torch backend needs a CUDA GPU, and torch sees none")
+    return torch, F
+
+
+class _Program:
+    """The model's nodes as torch calls over fp16 tensors on the GPU."""
+
+    def __init__(self, model: onnx.ModelProto, torch, F) -> None:  # noqa: N803
+        self.torch, self.F = torch, F
+        dev = torch.device("cuda")
+        g = model.graph
+        consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+        for n in g.node:
+            if n.op_type not in SUPPORTED:
+                raise InputError(f"the torch backend does not support operator {n.op_type} "
+                                 f"(node {n.name}); use --backend trt or ort")
+        self.nodes = self._fold_bn(list(g.node), consts)
+        self.w = {k: torch.from_numpy(np.array(v, copy=True)).to(dev) for k, v in consts.items()}
+        for k, v in self.w.items():
+            if v.is_floating_point():
+                v = v.half()
+                self.w[k] = v.contiguous(memory_format=torch.channels_last) if v.dim() == 4 else v
+        self.input = next(i.name for i in g.input if i.name not in consts)
+        self.outputs = [o.name for o in g.output]
+
+    @staticmethod
+    def _fold_bn(nodes: list, consts: dict[str, np.ndarray]) -> list:
+        uses: dict[str, int] = {}
+        for n in nodes:
+            for t in n.input:
+                uses[t] = uses.get(t, 0) + 1
+        producer = {t: n for n in nodes for t in n.output}
+        out = []
+        for n in nodes:
+            if n.op_type == "BatchNormalization" and n.input[0] in producer:
+                conv = producer[n.input[0]]
+                if conv.op_type == "Conv" and uses.get(n.input[0]) == 1 and all(t in consts for t in n.input[1:5]):
+                    eps = next((a.f for a in n.attribute if a.name == "epsilon"), 1e-5)
+                    scale, bias, mean, var = (consts[t].astype(np.float64) for t in n.input[1:5])
+                    k = scale / np.sqrt(var + eps)
+                    w = consts[conv.input[1]].astype(np.float64) * k.reshape(-1, 1, 1, 1)
+                    b0 = consts[conv.input[2]].astype(np.float64) if len(conv.input) > 2 else 0.0
+                    wn, bn = f"{conv.name}/folded_w", f"{conv.name}/folded_b"
+                    consts[wn] = w.astype(np.float32)
+                    consts[bn] = ((b0 - mean) * k + bias).astype(np.float32)
+                    x_in = conv.input[0]
+                    del conv.input[:]
+                    conv.input.extend([x_in, wn, bn])
+                    del conv.output[:]
+                    conv.output.append(n.output[0])
+                    continue
+            out.append(n)
+        return out
+
+    def run(self, x):
+        torch, F = self.torch, self.F
+        env = dict(self.w)
+        env[self.input] = x
+        for n in self.nodes:
+            a = {at.name: helper.get_attribute_value(at) for at in n.attribute}
+            ins = [env[t] if t else None for t in n.input]
+            op = n.op_type
+            if op == "Conv":
+                pads = list(a.get("pads", [0, 0, 0, 0]))
+                h = len(pads) // 2
+                x0 = ins[0]
+                if pads[:h] != pads[h:]:
+                    x0 = F.pad(x0, [p for i in reversed(range(h)) for p in (pads[i], pads[i + h])])
+                    pads = [0] * (2 * h)
+                y = F.conv2d(x0, ins[1], ins[2] if len(ins) > 2 else None, tuple(a.get("strides", [1, 1])),
+                             tuple(pads[:h]), tuple(a.get("dilations", [1, 1])), a.get("group", 1))
+            elif op == "BatchNormalization":
+                y = F.batch_norm(ins[0], ins[3], ins[4], ins[1], ins[2], False, 0.0, a.get("epsilon", 1e-5))
+            elif op == "Relu":
+                y = F.relu(ins[0])
+            elif op in ("Add", "Sub", "Mul", "Div"):
+                y = {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": torch.div}[op](ins[0], ins[1])
+            elif op in ("MaxPool", "AveragePool"):
+                k = tuple(a["kernel_shape"])
+                pads = list(a.get("pads", [0] * 2 * len(k)))
+                fn = F.max_pool2d if op == "MaxPool" else F.avg_pool2d
+                y = fn(ins[0], k, tuple(a.get("strides", k)), tuple(pads[:len(k)]), ceil_mode=bool(a.get("ceil_mode", 0)))
+            elif op == "GlobalAveragePool":
+                y = ins[0].mean(dim=(2, 3), keepdim=True)
+            elif op == "Flatten":
+                y = torch.flatten(ins[0], a.get("axis", 1))
+            elif op == "Gemm":
+                aa = ins[0].t() if a.get("transA", 0) else ins[0]
+                bb = ins[1].t() if a.get("transB", 0) else ins[1]
+                y = a.get("alpha", 1.0) * (aa @ bb)
+                if len(ins) > 2 and ins[2] is not None:
+                    y = y + a.get("beta", 1.0) * ins[2]
+            elif op == "MatMul":
+                y = ins[0] @ ins[1]
+            elif op in ("Cast", "Identity"):
+                y = ins[0]  # everything runs in fp16, as an fp16 engine does
+            elif op == "Sigmoid":
+                y = torch.sigmoid(ins[0])
+            elif op == "Tanh":
+                y = torch.tanh(ins[0])
+            elif op == "HardSigmoid":
+                y = torch.clamp(a.get("alpha", 0.2) * ins[0] + a.get("beta", 0.5), 0, 1)
+            elif op == "HardSwish":
+                y = F.hardswish(ins[0])
+            elif op == "Clip":
+                lo = ins[1] if len(ins) > 1 and ins[1] is not None else a.get("min")
+                hi = ins[2] if len(ins) > 2 and ins[2] is not None else a.get("max")
+                y = torch.clamp(ins[0], lo, hi)
+            else:  # Concat
+                y = torch.cat(ins, dim=a.get("axis", 1))
+            env[n.output[0]] = y
+        return [env[o] for o in self.outputs]
+
+
+class TorchSession:
+    def __init__(self, rt: TorchRuntime, model_path: Path, max_batch: int) -> None:
+        torch = rt.torch
+        self.torch = torch
+        model = onnx.load(str(model_path))
+        self.prog = _Program(model, torch, rt.F)
+        inp = next(i for i in model.graph.input if i.name == self.prog.input)
+        self.sample = [d.dim_value for d in inp.type.tensor_type.shape.dim[1:]]
+        self.graphs: dict[int, Any] = {}
+        self.stream = torch.cuda.Stream()
+
+    def _graph(self, bs: int):
+        torch = self.torch
+        if bs not in self.graphs:
+            x = torch.zeros((bs, *self.sample), device="cuda", dtype=torch.half)
+            if len(self.sample) == 3:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with torch.inference_mode():
+                self.stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.stream):
+                    for _ in range(3):
+                        self.prog.run(x)
+                torch.cuda.current_stream().wait_stream(self.stream)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    out = self.prog.run(x)
+            self.graphs[bs] = (g, x, out)
+        return self.graphs[bs][0]
+
+    def timed(self, bs: int, n: int) -> float:
+        torch = self.torch
+        g = self._graph(bs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            g.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def close(self) -> None:
+        self.graphs.clear()
+
+
+class TorchRuntime:
+    name = "torch"
+
+    def __init__(self, split: int = 1) -> None:
+        self.torch, self.F = _import()
+        self.torch.backends.cudnn.benchmark = True
+        self.split = split
+        props = self.torch.cuda.get_device_properties(0)
+        self.device, self.sms = props.name, props.multi_processor_count
+
+    def open(self, model_path: Path, max_batch: int) -> TorchSession:
+        return TorchSession(self, model_path, max_batch)
+
+    def info(self) -> dict[str, Any]:
+        return {"device": self.device, "sms_visible": self.sms,
+                "library": f"torch {self.torch.__version__} (CUDA graphs, fp16, cudnn)"}

@@ -1,0 +1,145 @@
+"""Sub-model export: any contiguous block range [i, j) as its own ONNX model.
+
+Executors build an engine for exactly the partition a plan gives them, so a partition must be a
+stand-alone model. Feature maps between blocks travel as fp16 (that is what boundary bytes count),
+so a sub-model takes and returns fp16 at internal boundaries and casts to the model's own type
+inside, where TensorRT fuses the cast into the neighbouring layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+import onnx.utils
+from onnx import TensorProto, helper
+
+from ..errors import InputError
+from .partition import Block
+
+FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
+
+
+class Exporter:
+    """Extract block ranges from one analysed model (reuses onnx's extractor across calls)."""
+
+    def __init__(self, model: onnx.ModelProto, blocks: Sequence[Block]) -> None:
+        self.model = model
+        self.blocks = list(blocks)
+        self._extractor = onnx.utils.Extractor(model)
+        self._types = {vi.name: vi.type.tensor_type.elem_type
+                       for vi in [*model.graph.input, *model.graph.value_info, *model.graph.output]}
+
+    def partition(self, start: int, end: int, fp16_boundaries: bool = True) -> onnx.ModelProto:
+        """Blocks [start, end) as a model; internal boundaries fp16 when ``fp16_boundaries``."""
+        n = len(self.blocks)
+        if not 0 <= start < end <= n:
+            raise InputError(f"block range [{start}, {end}) is outside 0..{n}")
+        inputs = list(self.blocks[start].inputs)
+        outputs = list(self.blocks[end - 1].outputs)
+        sub = self._extractor.extract_model(inputs, outputs)
+        sub.graph.name = f"{self.model.graph.name or 'model'}_blocks_{start}_{end}"
+        if fp16_boundaries:
+            if start > 0:
+                for t in inputs:
+                    self._cast_input(sub, t)
+            if end < n:
+                for t in outputs:
+                    self._cast_output(sub, t)
+        del sub.graph.value_info[:]
+        return sub
+
+    def _cast_input(self, sub: onnx.ModelProto, name: str) -> None:
+        typ = self._types.get(name, TensorProto.FLOAT)
+        if typ not in FLOAT_TYPES:
+            return
+        inner = f"{name}/to_fp32"
+        for node in sub.graph.node:
+            for k, t in enumerate(node.input):
+                if t == name:
+                    node.input[k] = inner
+        for vi in sub.graph.input:
+            if vi.name == name:
+                vi.type.tensor_type.elem_type = TensorProto.FLOAT16
+        sub.graph.node.insert(0, helper.make_node("Cast", [name], [inner], to=typ, name=inner))
+
+    def _cast_output(self, sub: onnx.ModelProto, name: str) -> None:
+        typ = self._types.get(name, TensorProto.FLOAT)
+        if typ not in FLOAT_TYPES:
+            return
+        inner = f"{name}/fp32"
+        for node in sub.graph.node:
+            for k, t in enumerate(node.output):
+                if t == name:
+                    node.output[k] = inner
+            for k, t in enumerate(node.input):
+                if t == name:
+                    node.input[k] = inner
+        for vi in sub.graph.output:
+            if vi.name == name:
+                vi.type.tensor_type.elem_type = TensorProto.FLOAT16
+        sub.graph.node.append(helper.make_node("Cast", [inner], [name], to=TensorProto.FLOAT16,
+                                               name=f"{name}/to_fp16"))
+
+
+def blocks_from_extra(extra_blocks: Sequence[dict]) -> list[Block]:
+    """Rebuild :class:`Block` records from a profile's ``extra['blocks']``."""
+    try:
+        return [Block(int(b["index"]), int(b["first_layer"]), int(b["end_layer"]),
+                      tuple(b["inputs"]), tuple(b["outputs"]), int(b.get("out_bytes", 0)))
+                for b in extra_blocks]
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"profile field blocks is malformed ({e!r}); re-run ppiped profile") from None
+
+
+def chain_error(whole_path: str, block_paths: Sequence[str], batch: int = 2, seed: int = 0) -> float:
+    """Run the block sub-models in sequence (fp16 at the boundaries) and the whole model with
+    ONNX Runtime on one random input; return max |chain - whole| / max |whole| over the outputs.
+
+    Relative to the output's largest magnitude, because element-wise relative error is undefined
+    where an output is near zero.
+    """
+    import numpy as np
+    import onnxruntime as ort
+
+    def session(p: str) -> ort.InferenceSession:
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        return ort.InferenceSession(p, so, providers=["CPUExecutionProvider"])
+
+    whole = session(whole_path)
+    inp = whole.get_inputs()[0]
+    shape = [batch, *[d if isinstance(d, int) else 1 for d in inp.shape[1:]]]
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    ref = whole.run(None, {inp.name: x})
+    feed = {inp.name: x}
+    outs: list = []
+    for p in block_paths:
+        s = session(p)
+        names = [o.name for o in s.get_outputs()]
+        outs = s.run(None, {i.name: feed[i.name] for i in s.get_inputs()})
+        feed = dict(zip(names, outs, strict=True))
+    err = 0.0
+    for r, o in zip(ref, outs, strict=True):
+        scale = float(np.max(np.abs(r))) or 1.0
+        err = max(err, float(np.max(np.abs(o.astype(np.float64) - r))) / scale)
+    return err
+
+
+def partition_from_profile(profile_path: str, start: int, end: int,
+                           fp16_boundaries: bool = True) -> onnx.ModelProto:
+    """The sub-model for blocks [start, end) of a profiled model, rebuilt from the profile's
+    recorded model file and block cuts: what an executor loads for the partition a plan assigns."""
+    from pathlib import Path
+
+    from ..profiles import load_profile
+
+    prof = load_profile(profile_path)
+    rel = prof.extra.get("onnx")
+    if not rel or "blocks" not in prof.extra:
+        raise InputError(f"{profile_path}: no model file or blocks recorded (not made by ppiped profile)")
+    path = Path(profile_path).parent / rel
+    if not path.exists():
+        raise InputError(f"{path}: the profiled model is missing (re-run ppiped profile or example-model)")
+    return Exporter(onnx.load(str(path)), blocks_from_extra(prof.extra["blocks"])).partition(
+        start, end, fp16_boundaries)

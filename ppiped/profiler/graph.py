@@ -1,0 +1,340 @@
+"""Graph analysis of an ONNX CNN: topological order, valid cut points, per-layer cost.
+
+A cut between two layers is *valid* when exactly one activation tensor crosses it: only then can
+the two sides run on different GPUs with a single feature map sent between them (PPipe §5.1).
+Weights and tensors computed from weights alone never cross; each side keeps its own copy.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, shape_inference
+
+from ..errors import InputError
+
+BATCH_DIM = "batch"
+# Operator domains whose operators ONNX Runtime and TensorRT both know.
+STANDARD_DOMAINS = {"", "ai.onnx"}
+# Control flow hides layers inside attributes; a cut through it is meaningless.
+CONTROL_FLOW = {"If", "Loop", "Scan", "SequenceMap"}
+# Operators a GPU library fuses into the preceding convolution / GEMM (no launch of their own).
+ELEMENTWISE = {
+    "Relu", "LeakyRelu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Clip", "Elu", "Selu",
+    "Mul", "Add", "Sub", "Div", "BatchNormalization", "Identity", "Cast", "Erf", "Gelu",
+    "PRelu", "Softplus", "Mish", "Neg", "Sqrt", "Pow", "Exp", "Log", "Abs", "Dropout",
+}
+RESHAPES = {"Flatten", "Reshape", "Squeeze", "Unsqueeze", "Transpose", "Shape", "Gather",
+            "Concat", "Slice", "Split", "Constant", "ConstantOfShape", "Expand", "Tile"}
+
+
+@dataclass
+class Layer:
+    """One ONNX node with its cost at batch size 1 (FLOPs and bytes moved, fp32 elements x 4)."""
+
+    index: int
+    name: str
+    op: str
+    inputs: list[str]
+    outputs: list[str]
+    flops: float = 0.0
+    act_bytes: float = 0.0  # activations read and written
+    weight_bytes: float = 0.0
+    out_elems: float = 0.0
+    fusable: bool = False
+
+
+@dataclass
+class Cut:
+    """A valid cut after layer ``after``: ``tensor`` is the one activation that crosses it."""
+
+    after: int
+    tensor: str
+    elems: int  # elements at batch size 1
+    dtype: int  # onnx TensorProto elem type
+
+    @property
+    def fp16_bytes(self) -> int:
+        """Bytes on the wire at batch size 1: float feature maps travel as fp16."""
+        if self.dtype in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE):
+            return 2 * self.elems
+        return self.elems * helper.tensor_dtype_to_np_dtype(self.dtype).itemsize
+
+
+@dataclass
+class ModelGraph:
+    """An ONNX model with a symbolic batch axis, its layers in topological order and its cuts."""
+
+    model: onnx.ModelProto  # shape-inferred, batch axis named BATCH_DIM
+    layers: list[Layer]
+    cuts: list[Cut]  # valid cuts in layer order
+    input_name: str
+    input_shape: tuple[int, ...]  # without the batch axis
+    output_names: list[str]
+    shapes: dict[str, tuple[int, ...]] = field(repr=False)  # at batch size 1
+    dtypes: dict[str, int] = field(repr=False)
+
+    @property
+    def total_flops(self) -> float:
+        return float(sum(layer.flops for layer in self.layers))
+
+    def cut_at(self, after: int) -> Cut:
+        for c in self.cuts:
+            if c.after == after:
+                return c
+        raise KeyError(after)
+
+
+def _dims(vi: onnx.ValueInfoProto) -> list[int | str | None]:
+    out: list[int | str | None] = []
+    for d in vi.type.tensor_type.shape.dim:
+        if d.HasField("dim_value"):
+            out.append(int(d.dim_value))
+        elif d.HasField("dim_param"):
+            out.append(d.dim_param)
+        else:
+            out.append(None)
+    return out
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``3x224x224`` -> (3, 224, 224): the per-sample input shape the user fixes."""
+    try:
+        dims = tuple(int(x) for x in text.lower().replace(",", "x").split("x") if x)
+    except ValueError:
+        raise InputError(f"bad --input-shape {text!r}: expected e.g. 3x224x224") from None
+    if not dims or min(dims) < 1:
+        raise InputError(f"bad --input-shape {text!r}: expected positive dimensions like 3x224x224")
+    return dims
+
+
+def load_onnx(path: str | Path) -> onnx.ModelProto:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such ONNX file")
+    try:
+        return onnx.load(str(path))
+    except Exception as e:  # onnx raises DecodeError and friends
+        raise InputError(f"{path}: not a readable ONNX model ({e})") from None
+
+
+def _check_ops(graph: onnx.GraphProto) -> None:
+    for i, n in enumerate(graph.node):
+        where = f"node {i} ({n.name or n.op_type})"
+        if n.domain not in STANDARD_DOMAINS:
+            raise InputError(f"unsupported operator {n.domain}::{n.op_type} at {where}: "
+                             "only standard ONNX operators (domain ai.onnx) can be partitioned")
+        if n.op_type in CONTROL_FLOW:
+            raise InputError(f"unsupported operator {n.op_type} at {where}: control flow "
+                             "cannot be partitioned; export the model without it")
+
+
+def fix_batch_axis(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None) -> onnx.ModelProto:
+    """Return a copy whose single input is [batch, *fixed dims] and whose outputs have a batch axis.
+
+    Non-batch axes must be fixed (or fixed by ``input_shape``): block latencies and boundary bytes
+    are only defined for one input resolution.
+    """
+    m = copy.deepcopy(model)
+    inits = {t.name for t in m.graph.initializer}
+    inputs = [i for i in m.graph.input if i.name not in inits]
+    if len(inputs) != 1:
+        names = ", ".join(i.name for i in inputs)
+        raise InputError(f"the model has {len(inputs)} inputs ({names}); ppiped profiles CNNs with one image input")
+    inp = inputs[0]
+    dims = _dims(inp)
+    if not dims:
+        raise InputError(f"input {inp.name!r} has no shape; fix it with --input-shape, e.g. 3x224x224")
+    rest = dims[1:]
+    if input_shape is not None:
+        if len(input_shape) != len(rest):
+            raise InputError(f"--input-shape has {len(input_shape)} dims but input {inp.name!r} has "
+                             f"{len(rest)} besides the batch axis")
+        rest = list(input_shape)
+    for ax, d in enumerate(rest, start=1):
+        if not isinstance(d, int):
+            raise InputError(f"input {inp.name!r} has dynamic dimension {d!r} at axis {ax}; "
+                             "fix it with --input-shape, e.g. 3x224x224")
+    shape = inp.type.tensor_type.shape
+    del shape.dim[:]
+    shape.dim.add().dim_param = BATCH_DIM
+    for d in rest:
+        shape.dim.add().dim_value = int(d)
+    for out in m.graph.output:
+        od = out.type.tensor_type.shape.dim
+        if len(od):
+            od[0].Clear()
+            od[0].dim_param = BATCH_DIM
+    del m.graph.value_info[:]
+    return m
+
+
+def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    try:
+        return shape_inference.infer_shapes(model, data_prop=True)
+    except Exception as e:
+        raise InputError(f"ONNX shape inference failed: {e}") from None
+
+
+def _numel(dims: tuple[int, ...]) -> int:
+    return int(np.prod(dims, dtype=np.int64)) if dims else 1
+
+
+def _layer_cost(layer: Layer, shapes: dict[str, tuple[int, ...]], consts: set[str],
+                inits: dict[str, onnx.TensorProto], attrs: dict) -> None:
+    """Fill FLOPs and bytes of one layer at batch size 1 (the estimate backend scales by batch)."""
+    ins = [t for t in layer.inputs if t]
+    acts = [t for t in ins if t not in consts]
+    out_elems = sum(_numel(shapes.get(t, ())) for t in layer.outputs if t)
+    in_elems = sum(_numel(shapes.get(t, ())) for t in acts)
+    layer.out_elems = float(out_elems)
+    layer.act_bytes = 4.0 * (in_elems + out_elems)
+    layer.weight_bytes = 4.0 * sum(_numel(tuple(inits[t].dims)) for t in ins if t in inits)
+    op = layer.op
+    if op in ("Conv", "ConvTranspose") and len(ins) >= 2 and ins[1] in shapes:
+        w = shapes[ins[1]]  # (Cout, Cin/group, kh, kw...) ; ConvTranspose: (Cin, Cout/group, ...)
+        per_out = _numel(w[1:]) if op == "Conv" else _numel(w[2:]) * w[0] // max(1, attrs.get("group", 1))
+        layer.flops = 2.0 * out_elems * per_out
+    elif op in ("Gemm", "MatMul") and len(ins) >= 2:
+        a = shapes.get(ins[0], ())
+        k = a[-1] if a else 1
+        if op == "Gemm" and attrs.get("transA", 0) and len(a) == 2:
+            k = a[0]
+        layer.flops = 2.0 * out_elems * k
+    elif op in ("MaxPool", "AveragePool", "LpPool"):
+        k = attrs.get("kernel_shape", [1])
+        layer.flops = float(out_elems * _numel(tuple(k)))
+    elif op in ("GlobalAveragePool", "GlobalMaxPool", "ReduceMean", "ReduceSum", "ReduceMax"):
+        layer.flops = float(in_elems)
+    elif op in ("Softmax", "LogSoftmax", "LRN", "InstanceNormalization", "LayerNormalization"):
+        layer.flops = 5.0 * out_elems
+    elif op in RESHAPES:
+        layer.flops = 0.0
+    else:
+        layer.flops = float(out_elems) * (2.0 if op == "BatchNormalization" else 1.0)
+    layer.fusable = op in ELEMENTWISE
+
+
+def analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None) -> ModelGraph:
+    """Fix the batch axis, infer shapes, list layers and the valid cuts between them."""
+    _check_ops(model.graph)
+    m = _infer(fix_batch_axis(model, input_shape))
+    g = m.graph
+    inits = {t.name: t for t in g.initializer}
+    inp = next(i for i in g.input if i.name not in inits)
+    # Shapes at batch size 1, from a copy whose batch axis is 1.
+    one = copy.deepcopy(m)
+    for vi in list(one.graph.input) + list(one.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        if len(dims) and dims[0].dim_param == BATCH_DIM:
+            dims[0].Clear()
+            dims[0].dim_value = 1
+    del one.graph.value_info[:]
+    one = _infer(one)
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, int] = {}
+    unknown: list[str] = []
+    for vi in list(one.graph.input) + list(one.graph.value_info) + list(one.graph.output):
+        dims = _dims(vi)
+        dtypes[vi.name] = vi.type.tensor_type.elem_type
+        if vi.type.tensor_type.HasField("shape") and all(isinstance(d, int) for d in dims):
+            shapes[vi.name] = tuple(int(d) for d in dims)  # type: ignore[arg-type]
+    for t in inits.values():
+        shapes[t.name] = tuple(t.dims)
+        dtypes[t.name] = t.data_type
+
+    # Constant tensors: initializers and everything computed from them alone.
+    consts: set[str] = set(inits)
+    for n in g.node:
+        if all((t in consts) for t in n.input if t):
+            consts.update(t for t in n.output if t)
+    for n in g.node:
+        for t in n.output:
+            if t and t not in consts and t not in shapes:
+                unknown.append(t)
+    if unknown:
+        shapes.update(_shapes_by_running(one, unknown))
+    layers = [
+        Layer(i, n.name or f"{n.op_type}_{i}", n.op_type, list(n.input), list(n.output))
+        for i, n in enumerate(g.node)
+    ]
+    _check_topological(g, inits)
+    for layer, n in zip(layers, g.node, strict=True):
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        _layer_cost(layer, shapes, consts, inits, attrs)
+    cuts = _valid_cuts(g, consts, shapes, dtypes)
+    return ModelGraph(m, layers, cuts, inp.name, tuple(shapes[inp.name][1:]),
+                      [o.name for o in g.output], shapes, dtypes)
+
+
+def _check_topological(g: onnx.GraphProto, inits: dict) -> None:
+    seen = {i.name for i in g.input} | set(inits) | {""}
+    for i, n in enumerate(g.node):
+        for t in n.input:
+            if t not in seen:
+                raise InputError(f"node {i} ({n.name or n.op_type}) reads {t!r} before it is produced: "
+                                 "the graph is not in topological order (run onnx.checker / onnxsim)")
+        seen.update(n.output)
+
+
+def _valid_cuts(g: onnx.GraphProto, consts: set[str], shapes: dict[str, tuple[int, ...]],
+                dtypes: dict[str, int]) -> list[Cut]:
+    """Cuts with exactly one activation crossing, by a sweep over live ranges [producer, last use)."""
+    n = len(g.node)
+    produced: dict[str, int] = {i.name: -1 for i in g.input if i.name not in consts}
+    last_use: dict[str, int] = {}
+    for idx, node in enumerate(g.node):
+        for t in node.input:
+            if t and t not in consts:
+                last_use[t] = idx
+        for t in node.output:
+            if t and t not in consts:
+                produced[t] = idx
+    for o in g.output:
+        last_use[o.name] = n  # graph outputs stay live to the end
+    starts: dict[int, list[str]] = {}
+    ends: dict[int, list[str]] = {}
+    for t, p in produced.items():
+        e = last_use.get(t)
+        if e is None or e <= p:
+            continue
+        starts.setdefault(p, []).append(t)
+        ends.setdefault(e, []).append(t)
+    live: set[str] = set(starts.get(-1, []))
+    cuts: list[Cut] = []
+    for k in range(n - 1):  # cut between node k and node k + 1
+        live.update(starts.get(k, []))
+        live.difference_update(ends.get(k, []))
+        if len(live) == 1:
+            t = next(iter(live))
+            cuts.append(Cut(k, t, _numel(shapes.get(t, (1,))), dtypes.get(t, TensorProto.FLOAT)))
+    return cuts
+
+
+def _shapes_by_running(model: onnx.ModelProto, names: list[str]) -> dict[str, tuple[int, ...]]:
+    """Shapes that inference could not derive, read off one ONNX Runtime run at batch size 1."""
+    import onnxruntime as ort
+
+    m = copy.deepcopy(model)
+    have = {o.name for o in m.graph.output}
+    for t in names:
+        if t not in have:
+            m.graph.output.append(helper.make_empty_tensor_value_info(t))
+    try:
+        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        feeds = {i.name: _random_input(i) for i in sess.get_inputs()}
+        outs = sess.run(names, feeds)
+    except Exception as e:
+        raise InputError(f"cannot determine the shapes of {len(names)} tensors "
+                         f"(first: {names[0]!r}) by inference or by running the model: {e}") from None
+    return {t: tuple(int(d) for d in o.shape) for t, o in zip(names, outs, strict=True)}
+
+
+def _random_input(meta) -> np.ndarray:
+    shape = [d if isinstance(d, int) else 1 for d in meta.shape]
+    dt = {"tensor(float)": np.float32, "tensor(float16)": np.float16}.get(meta.type, np.float32)
+    return np.random.default_rng(0).standard_normal(shape).astype(dt)

@@ -1,0 +1,435 @@
+"""Orchestration of the offline phase: analyse, pre-partition, export, time, merge, save.
+
+A profile describes one block partition of one model. Runs for other GPU types reuse the blocks
+recorded in the existing profile and add their latencies to it, so all GPU types of a cluster end
+up in one file that the planner reads.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from tqdm import tqdm
+
+from ..errors import InputError
+from ..profiles import (
+    PROFILE_FORMAT,
+    Profile,
+    ProfileError,
+    load_profile,
+    profile_from_json,
+    save_profile,
+)
+from .backends import BACKENDS, GPU_BACKENDS, Timing
+from .backends import estimate as est
+from .export import Exporter, blocks_from_extra, chain_error
+from .gpus import GPUS, gpu_spec
+from .graph import ModelGraph, analyze, load_onnx
+from .harness import Job, Mps, run_split
+from .partition import Block, block_costs, choose_cuts, max_deviation
+
+EQUIVALENCE_TOLERANCE = 1e-2
+SEGMENTS_PER_BLOCK = 4  # measured backends time at most this many candidate pieces per block
+LAYOUTS = {
+    "block_latency_layout": "block_latency_us[gpu][vgpu_split][block][batch_size-1]; "
+                            "vgpu_split v = 1/v of a GPU via MPS, all v running together",
+    "boundary_bytes_layout": "boundary_bytes[i] = fp16 bytes of the feature map leaving block i "
+                             "(batch size 1), i = 0..num_blocks-2",
+    "whole_model_latency_layout": "latency of the unpartitioned model, batch size 1, whole GPU "
+                                  "(split 1); latency_source says how each GPU's figures were made",
+}
+
+
+@dataclass
+class ProfileRequest:
+    """Everything one ``ppiped profile`` run needs."""
+
+    model_path: Path
+    out_dir: Path
+    backend: str = "ort"
+    gpu: str | None = None
+    blocks: int = 10
+    max_batch: int = 8
+    splits: Sequence[int] = (1,)
+    name: str | None = None
+    input_shape: tuple[int, ...] | None = None
+    timing: Timing = field(default_factory=Timing)
+    threads: int | None = None  # ort: cores that split 1 uses
+    clock: str = "auto"  # ort: wall | cpu | auto (CPU time for one-thread copies)
+    mps: str = "auto"  # auto | on | off (GPU backends, splits > 1)
+    concurrent: bool = True
+    method: str = "balanced"
+    partition_cost: str = "backend"  # backend: this run's own latencies; flops: device-neutral
+    replace: bool = False
+    slo_reference: str | None = None
+    partitions: Sequence[tuple[int, int]] = ()
+    progress: bool = True
+    verify: bool = True  # run the block chain against the whole model with ONNX Runtime
+
+
+def parse_batch_sizes(text: str) -> int:
+    """'1-8' or '8' -> 8. Profiles index batch sizes 1..B, so only such ranges are accepted."""
+    t = text.strip()
+    try:
+        if "-" in t:
+            lo, hi = (int(x) for x in t.split("-", 1))
+        else:
+            lo, hi = 1, int(t)
+    except ValueError:
+        raise InputError(f"bad --batch-sizes {text!r}: expected a range like 1-8") from None
+    if lo != 1 or hi < 1:
+        raise InputError(f"bad --batch-sizes {text!r}: profiles hold batch sizes 1..B, give 1-B")
+    return hi
+
+
+def parse_splits(text: str) -> list[int]:
+    try:
+        out = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
+    except ValueError:
+        raise InputError(f"bad --splits {text!r}: expected e.g. 1,2,3,4") from None
+    if not out or out[0] < 1:
+        raise InputError(f"bad --splits {text!r}: splits are positive integers")
+    return out
+
+
+def parse_ranges(text: str) -> list[tuple[int, int]]:
+    """'0-4,4-10' -> [(0, 4), (4, 10)] (block ranges [i, j))."""
+    out = []
+    for part in text.split(","):
+        try:
+            i, j = (int(x) for x in part.split("-"))
+        except ValueError:
+            raise InputError(f"bad partition range {part!r}: expected I-J like 0-4") from None
+        out.append((i, j))
+    return out
+
+
+def _version() -> str:
+    try:
+        return metadata.version("ppiped")
+    except metadata.PackageNotFoundError:
+        return "dev"
+
+
+def units_of(graph: ModelGraph) -> list[tuple[int, int]]:
+    """Indivisible layer ranges [start, end) between consecutive valid cuts."""
+    bounds = [0, *[c.after + 1 for c in graph.cuts], len(graph.layers)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def make_blocks(graph: ModelGraph, ranges: Sequence[tuple[int, int]]) -> list[Block]:
+    """Block records (with boundary tensor names and fp16 bytes) for consecutive layer ranges."""
+    cuts = {c.after: c for c in graph.cuts}
+    out: list[Block] = []
+    for k, (s, e) in enumerate(ranges):
+        ins = (graph.input_name,) if s == 0 else (cuts[s - 1].tensor,)
+        last = e == len(graph.layers)
+        outs = tuple(graph.output_names) if last else (cuts[e - 1].tensor,)
+        out.append(Block(k, s, e, ins, outs, 0 if last else cuts[e - 1].fp16_bytes))
+    return out
+
+
+def _group(ranges: Sequence[tuple[int, int]], cuts_after: Sequence[int]) -> list[tuple[int, int]]:
+    out = []
+    start = 0
+    for e in [*cuts_after, len(ranges) - 1]:
+        out.append((ranges[start][0], ranges[e][1]))
+        start = e + 1
+    return out
+
+
+class _Progress:
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.bar = tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled,
+                        unit="run", leave=False)
+
+    def tick(self) -> None:
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _existing(req: ProfileRequest, path: Path, sha: str) -> Profile | None:
+    if not path.exists() or req.replace:
+        return None
+    prof = load_profile(path)
+    old = prof.extra.get("onnx_sha256")
+    if old != sha:
+        raise InputError(f"{path} was made from a different model (sha256 {str(old)[:12]}… vs "
+                         f"{sha[:12]}…); pass --replace to start a new profile")
+    if prof.num_blocks != req.blocks:
+        raise InputError(f"{path} has {prof.num_blocks} blocks, this run asks for {req.blocks}; "
+                         "merged runs must share the blocks (pass --replace to start over)")
+    return prof
+
+
+def _check_batch_axis(graph: ModelGraph, original: onnx.ModelProto, max_batch: int) -> None:
+    """A model exported with batch size fixed to 1 may hard-code it (Reshape to [1, -1])."""
+    inits = {t.name for t in original.graph.initializer}
+    inp = next(i for i in original.graph.input if i.name not in inits)
+    dim0 = inp.type.tensor_type.shape.dim[0] if inp.type.tensor_type.shape.dim else None
+    if max_batch == 1 or dim0 is None or dim0.HasField("dim_param"):
+        return
+    import onnxruntime as ort
+
+    try:
+        sess = ort.InferenceSession(graph.model.SerializeToString(), providers=["CPUExecutionProvider"])
+        x = np.zeros((2, *graph.input_shape), dtype=np.float32)
+        sess.run(None, {graph.input_name: x})
+    except Exception as e:
+        raise InputError(f"the model's batch axis is fixed at {dim0.dim_value} and does not run at "
+                         f"batch size 2 ({str(e).splitlines()[0]}); export it with a dynamic batch "
+                         "axis or profile with --batch-sizes 1") from None
+
+
+def _measured_unit_costs(req: ProfileRequest, graph: ModelGraph, exporter_dir: Path,
+                         ranges: Sequence[tuple[int, int]]) -> list[float]:
+    """Time each candidate piece alone at batch 1, split 1: the costs pre-partitioning balances."""
+    pieces = make_blocks(graph, ranges)
+    ex = Exporter(graph.model, pieces)
+    exporter_dir.mkdir(parents=True, exist_ok=True)
+    jobs = []
+    for p in pieces:
+        path = exporter_dir / f"piece_{p.index:03d}.onnx"
+        onnx.save(ex.partition(p.index, p.index + 1), str(path))
+        jobs.append(Job(path, (1,)))
+    prog = _Progress(len(jobs), "pre-partition: timing pieces", req.progress)
+    try:
+        res = run_split(req.backend, _backend_opts(req), 1, jobs, req.timing, 1, tick=prog.tick)
+    finally:
+        prog.close()
+    for j in jobs:
+        j.path.unlink(missing_ok=True)
+    exporter_dir.rmdir()
+    return [row[0] for row in res.latency_us]
+
+
+def _backend_opts(req: ProfileRequest) -> dict[str, Any]:
+    if req.backend == "ort":
+        return {"threads": req.threads, "clock": req.clock}
+    return {}
+
+
+def _check_block_count(req: ProfileRequest, graph: ModelGraph) -> None:
+    units = units_of(graph)
+    if req.blocks > len(units):
+        if len(units) == 1:
+            raise InputError("the model has no valid cut point: every position between two layers "
+                             "has more than one activation crossing it, so it cannot be partitioned")
+        raise InputError(f"cannot make {req.blocks} blocks: the model has only {len(units) - 1} valid "
+                         f"cut points (at most {len(units)} blocks); lower --blocks")
+
+
+def _partition(req: ProfileRequest, graph: ModelGraph, work_dir: Path) -> tuple[list[Block], dict]:
+    units = units_of(graph)
+    spec = gpu_spec(req.gpu) if req.backend == "estimate" else GPUS.get(req.gpu or "", GPUS["V100"])
+    est_cost = [est.range_us(graph.layers[s:e], spec, 1, 1) - est.ENGINE_OVERHEAD_LAUNCHES * spec.launch_us
+                for s, e in units]
+    if req.partition_cost == "flops":
+        pieces = units
+        costs = [sum(la.flops for la in graph.layers[s:e]) / 1e6 for s, e in units]
+        source = "MFLOPs per piece (device-neutral)"
+    elif req.partition_cost != "backend":
+        raise InputError(f"unknown partition cost {req.partition_cost!r} (backend, flops)")
+    elif req.backend == "estimate":
+        pieces, costs, source = units, est_cost, f"estimate for {spec.name}, batch 1"
+    else:
+        n_pieces = min(len(units), SEGMENTS_PER_BLOCK * req.blocks)
+        pieces = units if n_pieces == len(units) else _group(units, choose_cuts(est_cost, n_pieces))
+        costs = _measured_unit_costs(req, graph, work_dir, pieces)
+        source = f"{req.backend} on {req.gpu}, batch 1, split 1, each piece alone"
+    cuts = choose_cuts(costs, req.blocks, req.method)
+    blocks = make_blocks(graph, _group(pieces, cuts))
+    bc = block_costs(costs, cuts)
+    info = {"method": req.method, "cost_source": source, "pieces": len(pieces),
+            "block_cost": [round(c, 3) for c in bc], "max_deviation_from_mean": round(max_deviation(bc), 4)}
+    return blocks, info
+
+
+def _block_extra(graph: ModelGraph, blocks: Sequence[Block], name: str) -> list[dict[str, Any]]:
+    out = []
+    for b in blocks:
+        layers = graph.layers[b.start:b.end]
+        out.append({
+            "index": b.index, "first_layer": b.start, "end_layer": b.end,
+            "first_node": layers[0].name, "last_node": layers[-1].name,
+            "inputs": list(b.inputs), "outputs": list(b.outputs), "out_bytes": b.out_bytes,
+            "mflops": round(sum(la.flops for la in layers) / 1e6, 3),
+            "file": f"{name}/block_{b.index:02d}.onnx",
+        })
+    return out
+
+
+def _estimate_latencies(req: ProfileRequest, graph: ModelGraph, blocks: Sequence[Block]) -> tuple[dict, float, dict]:
+    spec = gpu_spec(req.gpu or "")
+    lat = {v: np.array([[est.range_us(graph.layers[b.start:b.end], spec, v, bs)
+                         for bs in range(1, req.max_batch + 1)] for b in blocks])
+           for v in req.splits}
+    whole = est.range_us(graph.layers, spec, 1, 1)
+    source = {"backend": "estimate", "measured": False, "what_if": True, "gpu_spec": vars(spec),
+              "note": "roofline estimate from datasheet figures (ppiped.profiler.backends.estimate); "
+                      "not a measurement"}
+    return lat, whole, source
+
+
+def _measure_latencies(req: ProfileRequest, graph: ModelGraph, blocks: Sequence[Block],
+                       files: Sequence[Path], whole_path: Path) -> tuple[dict, float, dict]:
+    bss = tuple(range(1, req.max_batch + 1))
+    total = sum(len(blocks) * len(bss) + (1 if v == 1 else 0) for v in req.splits)
+    prog = _Progress(total, f"profiling {req.backend} on {req.gpu}", req.progress)
+    lat: dict[int, np.ndarray] = {}
+    whole = float("nan")
+    per_split: dict[str, Any] = {}
+    mps = Mps()
+    mps_on = False
+    try:
+        for v in req.splits:
+            jobs = [Job(p, bss) for p in files]
+            if v == 1:
+                jobs.append(Job(whole_path, (1,)))
+            copies = v if req.concurrent else 1
+            env: dict[str, str] = {}
+            mode = "whole device" if v == 1 else "cpu threads"
+            if req.backend in GPU_BACKENDS and v > 1:
+                mode = "time-sliced (no MPS)"
+                if req.mps != "off" and not mps_on and mps.error is None:
+                    mps_on = mps.start()
+                    if not mps_on and req.mps == "on":
+                        raise ProfileError(f"--mps on, but {mps.error}")
+                    if not mps_on:
+                        print(f"ppiped profile: warning: MPS unavailable ({mps.error}); timing splits "
+                              "> 1 with the copies time-sharing the whole GPU", file=sys.stderr)
+                if mps_on:
+                    env = {**mps.env(), "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": f"{100.0 / v:g}"}
+                    mode = "mps"
+            res = run_split(req.backend, _backend_opts(req), v, jobs, req.timing, copies, env, prog.tick)
+            if v == 1:
+                whole = res.latency_us[-1][0]
+                res.latency_us = res.latency_us[:-1]
+            lat[v] = np.array(res.latency_us)
+            per_split[str(v)] = {"copies_running_together": copies, "sharing": mode,
+                                 "active_thread_percentage": round(100.0 / v, 2) if mode == "mps" else None,
+                                 "copy_spread": round(res.spread, 4), "workers": res.info["workers"]}
+    finally:
+        mps.stop()
+        prog.close()
+    if 1 not in req.splits:
+        res = run_split(req.backend, _backend_opts(req), 1, [Job(whole_path, (1,))], req.timing, 1)
+        whole = res.latency_us[0][0]
+    source = {"backend": req.backend, "measured": True, "what_if": False, "splits": per_split,
+              "timing": vars(req.timing)}
+    return lat, whole, source
+
+
+def profile_model(req: ProfileRequest) -> tuple[Profile, Path]:
+    """Run the whole offline phase for one model and one GPU type; returns the merged profile."""
+    if req.backend not in BACKENDS:
+        raise InputError(f"unknown backend {req.backend!r} (choose from {', '.join(BACKENDS)})")
+    if req.max_batch < 1:
+        raise InputError("batch sizes must include 1")
+    if not req.splits or min(req.splits) < 1:
+        raise InputError("splits must be positive integers")
+    if req.backend == "estimate":
+        if not req.gpu:
+            raise InputError(f"--gpu is required with --backend estimate (one of {', '.join(GPUS)})")
+        req.gpu = gpu_spec(req.gpu).name
+    elif req.backend == "ort" and not req.gpu:
+        req.gpu = "CPU"
+    elif not req.gpu:
+        raise InputError(f"--gpu is required with --backend {req.backend} (a short name such as "
+                         "H100; it keys the profile's latencies)")
+    original = load_onnx(req.model_path)
+    name = req.name or req.model_path.stem
+    graph = analyze(original, req.input_shape)
+    _check_batch_axis(graph, original, req.max_batch)
+    _check_block_count(req, graph)
+    sha = hashlib.sha256(graph.model.SerializeToString()).hexdigest()
+    req.out_dir.mkdir(parents=True, exist_ok=True)
+    prof_path = req.out_dir / f"{name}.json"
+    existing = _existing(req, prof_path, sha)
+    model_dir = req.out_dir / name
+    model_dir.mkdir(parents=True, exist_ok=True)
+    whole_path = model_dir / "model.onnx"
+    onnx.save(graph.model, str(whole_path))
+    if existing is not None and "blocks" in existing.extra:
+        blocks = blocks_from_extra(existing.extra["blocks"])
+        part_info = existing.extra.get("partitioning", {})
+    else:
+        blocks, part_info = _partition(req, graph, model_dir / "pieces")
+    exporter = Exporter(graph.model, blocks)
+    files = []
+    for b in blocks:
+        path = model_dir / f"block_{b.index:02d}.onnx"
+        onnx.save(exporter.partition(b.index, b.index + 1), str(path))
+        files.append(path)
+    for i, j in req.partitions:
+        onnx.save(exporter.partition(i, j), str(model_dir / f"partition_{i:02d}_{j:02d}.onnx"))
+    equivalence = None
+    if req.verify:
+        err = chain_error(str(whole_path), [str(f) for f in files])
+        equivalence = {"max_rel_error": float(f"{err:.3g}"), "batch": 2, "backend": "ort",
+                       "note": "blocks in sequence with fp16 boundaries vs the whole model; "
+                               "max |diff| / max |whole output|"}
+        if err > EQUIVALENCE_TOLERANCE:
+            print(f"ppiped profile: warning: the blocks in sequence differ from the whole model by "
+                  f"{err:.3g} (relative), above {EQUIVALENCE_TOLERANCE}", file=sys.stderr)
+    if req.backend == "estimate":
+        lat, whole, source = _estimate_latencies(req, graph, blocks)
+    else:
+        lat, whole, source = _measure_latencies(req, graph, blocks, files, whole_path)
+    source["profiler"] = f"ppiped {_version()}"
+    if source["measured"]:  # estimates carry no date, so the example profile is reproducible
+        source["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    prof = _merge(existing, req, graph, blocks, lat, whole, source, part_info, sha, name)
+    if equivalence is not None:
+        prof.extra["equivalence"] = equivalence
+    save_profile(prof, prof_path)
+    return prof, prof_path
+
+
+def _merge(existing: Profile | None, req: ProfileRequest, graph: ModelGraph, blocks: Sequence[Block],
+           lat: dict[int, np.ndarray], whole: float, source: dict, part_info: dict, sha: str,
+           name: str) -> Profile:
+    gpu = req.gpu or ""
+    latency = {g: dict(sp) for g, sp in existing.latency.items()} if existing else {}
+    latency.setdefault(gpu, {}).update(lat)
+    whole_all = dict(existing.whole_model_latency_us) if existing else {}
+    whole_all[gpu] = whole
+    extra: dict[str, Any] = dict(existing.extra) if existing else {}
+    extra.update(LAYOUTS)
+    extra.update({
+        "onnx": f"{name}/model.onnx",
+        "onnx_sha256": sha,
+        "onnx_source": req.model_path.name,
+        "input": {"name": graph.input_name, "shape": list(graph.input_shape),
+                  "dtype": onnx.helper.tensor_dtype_to_np_dtype(graph.dtypes.get(graph.input_name, 1)).name},
+        "boundary_dtype": "float16",
+        "blocks": _block_extra(graph, blocks, name),
+        "partitioning": part_info,
+    })
+    sources = dict(extra.get("latency_source", {}))
+    sources[gpu] = source
+    extra["latency_source"] = sources
+    ref = req.slo_reference or extra.get("slo_reference_gpu") or gpu
+    extra["slo_reference_gpu"] = ref
+    extra["slo_note"] = ("SLO = multiplier x whole_model_latency_us[slo_reference_gpu] "
+                         "(batch 1, whole GPU), as in PPipe")
+    d = {
+        "format": PROFILE_FORMAT, "model": name, "num_blocks": len(blocks),
+        "block_latency_us": {g: {str(v): np.round(a, 3).tolist() for v, a in sorted(sp.items())}
+                             for g, sp in latency.items()},
+        "boundary_bytes": [b.out_bytes for b in blocks[:-1]],
+        "whole_model_latency_us": {g: round(float(x), 3) for g, x in whole_all.items()},
+        **extra,
+    }
+    return profile_from_json(d, f"{name} (new profile)")

@@ -1,0 +1,312 @@
+"""The offline phase: cut points, pre-partitioning, sub-model export, block equivalence, profiles."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from ppiped.cli import main
+from ppiped.errors import InputError
+from ppiped.profiler.backends import Timing
+from ppiped.profiler.backends import estimate as est
+from ppiped.profiler.example import build_tiny_model, parse_gpu_splits
+from ppiped.profiler.export import Exporter, chain_error, partition_from_profile
+from ppiped.profiler.gpus import gpu_name_from_device, gpu_spec
+from ppiped.profiler.graph import analyze, parse_shape
+from ppiped.profiler.partition import block_costs, choose_cuts, max_deviation
+from ppiped.profiler.profile import (
+    ProfileRequest,
+    make_blocks,
+    parse_batch_sizes,
+    parse_splits,
+    profile_model,
+    units_of,
+)
+from ppiped.profiles import load_profile
+
+FAST = Timing(warmup_s=0.0, round_s=0.0, rounds=1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny") / "tiny.onnx"
+    onnx.save(build_tiny_model(), str(path))
+    return path
+
+
+def _chain_model(skip_all: bool = False, custom_op: bool = False, dynamic_hw: bool = False) -> onnx.ModelProto:
+    """x -> Relu -> Relu -> Relu -> (+ x if skip_all): a skip over everything leaves no valid cut."""
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="r0"),
+             helper.make_node("Relu", ["a"], ["b"], name="r1"),
+             helper.make_node("Relu", ["b"], ["c"], name="r2")]
+    if skip_all:
+        nodes.append(helper.make_node("Add", ["c", "x"], ["y"], name="add"))
+    else:
+        nodes.append(helper.make_node("Identity", ["c"], ["y"], name="id"))
+    if custom_op:
+        nodes[1] = helper.make_node("FancyOp", ["a"], ["b"], name="r1", domain="com.example")
+    dims = ["N", 4, "H", 8] if dynamic_hw else ["N", 4, 8, 8]
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)])
+    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid("com.example", 1)] if custom_op else [])
+    return helper.make_model(g, opset_imports=opsets)
+
+
+# --- graph analysis -------------------------------------------------------------------------
+
+def test_cut_points_skip_residual_interiors(tiny):
+    g = analyze(onnx.load(str(tiny)))
+    ops = [la.op for la in g.layers]
+    after = [c.after for c in g.cuts]
+    # Every valid cut follows a stem layer, a residual Add or its Relu, or the pooling head.
+    assert {ops[k] for k in after} <= {"Conv", "BatchNormalization", "Relu", "Add", "GlobalAveragePool",
+                                       "Flatten"}
+    for k in after:
+        if ops[k] in ("Conv", "BatchNormalization"):
+            assert k < 3, "convolutions inside residual blocks must not be cut after"
+    adds = [i for i, op in enumerate(ops) if op == "Add"]
+    assert all(a in after for a in adds)
+    # Inside a residual block two tensors are live (branch and shortcut): no cut there.
+    first_block = range(adds[0] - 5, adds[0])
+    assert not set(first_block) & set(after)
+    for c in g.cuts:
+        assert c.fp16_bytes == 2 * c.elems
+    assert g.cut_at(adds[0]).tensor == g.layers[adds[0]].outputs[0]
+
+
+def test_cut_points_ignore_weights_and_count_graph_inputs():
+    g = analyze(_chain_model())
+    assert [c.after for c in g.cuts] == [0, 1, 2]
+    assert [c.tensor for c in g.cuts] == ["a", "b", "c"]
+    assert all(c.elems == 4 * 8 * 8 for c in g.cuts)
+    assert analyze(_chain_model(skip_all=True)).cuts == []
+
+
+def test_layer_costs(tiny):
+    g = analyze(onnx.load(str(tiny)))
+    conv = g.layers[0]  # 3 -> 8 channels, 4x4 stride 4 on 32x32 -> 8x8 outputs
+    assert conv.op == "Conv"
+    assert conv.flops == pytest.approx(2 * 8 * 8 * 8 * 3 * 4 * 4)
+    assert conv.weight_bytes == 4 * 8 * 3 * 4 * 4
+    fc = g.layers[-1]
+    assert fc.op == "Gemm" and fc.flops == pytest.approx(2 * 10 * 16)
+    assert g.input_shape == (3, 32, 32)
+
+
+def test_errors_for_bad_models(tmp_path):
+    with pytest.raises(InputError, match="unsupported operator com.example::FancyOp"):
+        analyze(_chain_model(custom_op=True))
+    with pytest.raises(InputError, match="dynamic dimension 'H'.*--input-shape"):
+        analyze(_chain_model(dynamic_hw=True))
+    g = analyze(_chain_model(dynamic_hw=True), input_shape=parse_shape("4x8x8"))
+    assert g.input_shape == (4, 8, 8)
+    path = tmp_path / "skip.onnx"
+    onnx.save(_chain_model(skip_all=True), str(path))
+    req = ProfileRequest(model_path=path, out_dir=tmp_path, backend="estimate", gpu="V100", blocks=2,
+                         max_batch=1, progress=False)
+    with pytest.raises(InputError, match="no valid cut point"):
+        profile_model(req)
+    with pytest.raises(InputError, match="not a readable ONNX"):
+        (tmp_path / "junk.onnx").write_bytes(b"not a model")
+        profile_model(ProfileRequest(model_path=tmp_path / "junk.onnx", out_dir=tmp_path,
+                                     backend="estimate", gpu="V100", progress=False))
+
+
+# --- pre-partitioning -----------------------------------------------------------------------
+
+def test_choose_cuts_equal_units():
+    assert choose_cuts([1.0] * 10, 5) == [1, 3, 5, 7]
+    assert choose_cuts([1.0] * 10, 5, "greedy") == [1, 3, 5, 7]
+    assert choose_cuts([3.0], 1) == []
+
+
+def test_choose_cuts_balanced_beats_greedy():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        costs = rng.uniform(0.1, 3.0, 30)
+        sq = {}
+        for method in ("greedy", "balanced"):
+            cuts = choose_cuts(costs, 6, method)
+            assert len(cuts) == 5 and cuts == sorted(set(cuts))
+            bc = block_costs(costs, cuts)
+            assert sum(bc) == pytest.approx(costs.sum())
+            sq[method] = float(np.sum((np.array(bc) - costs.sum() / 6) ** 2))
+        assert sq["balanced"] <= sq["greedy"] + 1e-9
+
+
+def test_choose_cuts_uneven_example():
+    # A large unit cannot be split; the others still balance around it.
+    costs = [1, 1, 1, 1, 6, 1, 1, 1, 1]
+    cuts = choose_cuts(costs, 3)
+    assert block_costs(costs, cuts) == [4.0, 6.0, 4.0]
+    assert max_deviation([4.0, 6.0, 4.0]) == pytest.approx(6 / (14 / 3) - 1)
+
+
+def test_choose_cuts_too_many_blocks():
+    with pytest.raises(InputError, match="only 2 valid cut points"):
+        choose_cuts([1, 1, 1], 4)
+
+
+# --- export and equivalence -----------------------------------------------------------------
+
+def _blocks(tiny_path: Path, n: int):
+    g = analyze(onnx.load(str(tiny_path)))
+    units = units_of(g)
+    costs = [sum(la.flops for la in g.layers[s:e]) for s, e in units]
+    cuts = choose_cuts(costs, n)
+    ranges, start = [], 0
+    for e in [*cuts, len(units) - 1]:
+        ranges.append((units[start][0], units[e][1]))
+        start = e + 1
+    return g, make_blocks(g, ranges)
+
+
+def test_export_blocks_and_ranges(tiny, tmp_path):
+    g, blocks = _blocks(tiny, 4)
+    ex = Exporter(g.model, blocks)
+    paths = []
+    for b in blocks:
+        m = ex.partition(b.index, b.index + 1)
+        onnx.checker.check_model(m)
+        ins = [i for i in m.graph.input]
+        assert len(ins) == 1 and len(m.graph.output) == 1
+        want_in = TensorProto.FLOAT if b.index == 0 else TensorProto.FLOAT16
+        want_out = TensorProto.FLOAT if b.index == len(blocks) - 1 else TensorProto.FLOAT16
+        assert ins[0].type.tensor_type.elem_type == want_in
+        assert m.graph.output[0].type.tensor_type.elem_type == want_out
+        assert ins[0].name == b.inputs[0] and m.graph.output[0].name == b.outputs[0]
+        p = tmp_path / f"b{b.index}.onnx"
+        onnx.save(m, str(p))
+        paths.append(str(p))
+    whole = tmp_path / "whole.onnx"
+    onnx.save(g.model, str(whole))
+    err = chain_error(str(whole), paths)
+    assert 0.0 < err <= 1e-2  # fp16 at the boundaries rounds, but only a little
+    # A multi-block partition equals its blocks run in sequence.
+    mid = tmp_path / "mid.onnx"
+    onnx.save(ex.partition(1, 3), str(mid))
+    onnx.save(ex.partition(0, len(blocks)), str(tmp_path / "all.onnx"))
+    assert chain_error(str(whole), [paths[0], str(mid), *paths[3:]]) <= 1e-2
+    assert chain_error(str(whole), [str(tmp_path / "all.onnx")]) < 1e-6
+    with pytest.raises(InputError, match="outside"):
+        ex.partition(2, 2)
+
+
+def test_chain_error_detects_a_wrong_block(tiny, tmp_path):
+    g, blocks = _blocks(tiny, 3)
+    ex = Exporter(g.model, blocks)
+    paths = []
+    for b in blocks:
+        m = ex.partition(b.index, b.index + 1)
+        if b.index == 1:  # corrupt one weight: the check must notice
+            t = next(t for t in m.graph.initializer if t.name.endswith(".weight"))
+            a = numpy_helper.to_array(t).copy()
+            a *= -1.0
+            t.CopyFrom(numpy_helper.from_array(a, t.name))
+        p = tmp_path / f"b{b.index}.onnx"
+        onnx.save(m, str(p))
+        paths.append(str(p))
+    whole = tmp_path / "whole.onnx"
+    onnx.save(g.model, str(whole))
+    assert chain_error(str(whole), paths) > 1e-2
+
+
+# --- estimate -------------------------------------------------------------------------------
+
+def test_estimate_is_monotone_and_orders_gpus(tiny):
+    g = analyze(onnx.load(str(tiny)))
+    v100, p4 = gpu_spec("v100"), gpu_spec("P4")
+    by_bs = [est.range_us(g.layers, v100, 1, bs) for bs in range(1, 9)]
+    assert by_bs == sorted(by_bs) and by_bs[0] > 0
+    assert est.range_us(g.layers, v100, 4, 8) >= est.range_us(g.layers, v100, 1, 8)
+    assert est.range_us(g.layers, p4, 1, 1) > est.range_us(g.layers, v100, 1, 1)
+    with pytest.raises(InputError, match="unknown GPU"):
+        gpu_spec("Z9000")
+    assert gpu_name_from_device("NVIDIA H100 80GB HBM3") == "H100"
+    assert gpu_name_from_device("Tesla V100-SXM2-16GB") == "V100"
+
+
+# --- whole runs -----------------------------------------------------------------------------
+
+def test_profile_estimate_merges_gpus(tiny, tmp_path):
+    out = tmp_path / "profiles"
+    prof, path = profile_model(ProfileRequest(model_path=tiny, out_dir=out, backend="estimate", gpu="V100",
+                                              blocks=4, max_batch=4, splits=[1, 2], progress=False))
+    assert path == out / "tiny.json"
+    prof2, _ = profile_model(ProfileRequest(model_path=tiny, out_dir=out, backend="estimate", gpu="P4",
+                                            blocks=4, max_batch=4, splits=[1], progress=False))
+    p = load_profile(path)  # the planner's loader validates it
+    assert p.num_blocks == 4 and sorted(p.gpus) == ["P4", "V100"]
+    assert p.splits("V100") == [1, 2] and p.max_batch("P4", 1) == 4
+    assert p.extra["latency_source"]["V100"]["what_if"] is True
+    assert p.extra["slo_reference_gpu"] == "V100"
+    assert p.extra["blocks"] == prof.extra["blocks"]
+    assert p.extra["equivalence"]["max_rel_error"] <= 1e-2
+    assert list(p.boundary_bytes) == [b["out_bytes"] for b in p.extra["blocks"][:-1]]
+    for b in p.extra["blocks"]:
+        assert (out / b["file"]).exists()
+    assert (out / p.extra["onnx"]).exists()
+    m = partition_from_profile(str(path), 1, 3)
+    assert m.graph.input[0].name == p.extra["blocks"][1]["inputs"][0]
+    assert m.graph.output[0].name == p.extra["blocks"][2]["outputs"][0]
+    with pytest.raises(InputError, match="blocks"):
+        profile_model(ProfileRequest(model_path=tiny, out_dir=out, backend="estimate", gpu="T4",
+                                     blocks=3, max_batch=4, progress=False))
+    other = tmp_path / "other.onnx"
+    onnx.save(build_tiny_model(seed=5), str(other))
+    with pytest.raises(InputError, match="different model"):
+        profile_model(ProfileRequest(model_path=other, out_dir=out, name="tiny", backend="estimate",
+                                     gpu="T4", blocks=4, max_batch=4, progress=False))
+
+
+def test_profile_ort_with_concurrent_splits(tiny, tmp_path):
+    req = ProfileRequest(model_path=tiny, out_dir=tmp_path, backend="ort", blocks=3, max_batch=2,
+                         splits=[1, 2], timing=FAST, threads=2, progress=False,
+                         partitions=[(0, 2)])
+    prof, path = profile_model(req)
+    p = load_profile(path)
+    assert p.gpus == ["CPU"] and p.splits("CPU") == [1, 2]
+    assert p.latency["CPU"][2].shape == (3, 2)
+    assert p.whole_model_latency_us["CPU"] > 0
+    src = p.extra["latency_source"]["CPU"]
+    assert src["measured"] is True and src["splits"]["2"]["copies_running_together"] == 2
+    assert [w["threads"] for w in src["splits"]["2"]["workers"]] == [1, 1]
+    # One thread per copy: CPU time; two threads: the wall clock.
+    assert [w["clock"] for w in src["splits"]["2"]["workers"]] == ["cpu", "cpu"]
+    assert src["splits"]["1"]["workers"][0]["clock"] == "wall"
+    assert src["splits"]["2"]["sharing"] == "cpu threads"
+    assert p.extra["partitioning"]["cost_source"].startswith("ort")
+    assert (tmp_path / "tiny" / "partition_00_02.onnx").exists()
+
+
+def test_cli_profile_and_example(tiny, tmp_path, capsys):
+    rc = main(["profile", str(tiny), "--backend", "estimate", "--gpu", "T4", "--blocks", "3",
+               "--batch-sizes", "1-2", "--splits", "1,2", "-o", str(tmp_path / "p"), "-q"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "tiny: 3 blocks, T4 (estimate)" in out and "block balance" in out
+    rc = main(["profile", str(tiny), "--backend", "estimate", "-o", str(tmp_path / "p")])
+    assert rc == 2 and "--gpu is required" in capsys.readouterr().err
+    rc = main(["example-model", "-o", str(tmp_path / "ex"), "--gpus", "V100:1-2,P4:1", "--max-batch", "2"])
+    assert rc == 0
+    d = json.loads((tmp_path / "ex" / "example.json").read_text())
+    assert d["num_blocks"] == 10 and set(d["block_latency_us"]) == {"V100", "P4"}
+    assert d["slo_reference_gpu"] == "V100" and d["equivalence"]["max_rel_error"] <= 1e-2
+    assert all(s["backend"] == "estimate" for s in d["latency_source"].values())
+
+
+def test_parsers():
+    assert parse_batch_sizes("1-8") == 8 and parse_batch_sizes("4") == 4
+    assert parse_splits("4,1,2") == [1, 2, 4]
+    assert parse_gpu_splits("V100:1-4,P4:1") == [("V100", [1, 2, 3, 4]), ("P4", [1])]
+    with pytest.raises(InputError):
+        parse_batch_sizes("2-8")
+    with pytest.raises(InputError):
+        parse_splits("0,1")
+    with pytest.raises(InputError):
+        parse_shape("3xAx4")
