@@ -12,6 +12,14 @@ from .errors import UserError
 # module path -> each module defines ``register(subparsers)``; add a line when a command exists.
 COMMANDS = [
     "ppiped.commands.check",
+    "ppiped.commands.plan",
+    "ppiped.commands.profile",
+    "ppiped.commands.example_model",
+    "ppiped.commands.serve",
+    "ppiped.commands.loadgen",
+    "ppiped.commands.demo",
+    "ppiped.commands.sim",
+    "ppiped.commands.sweep",
 ]
 
 

@@ -1,0 +1,251 @@
+"""Reproduce PPipe's Figure 6 on the simulator: max load factor at 99% attainment, per system.
+
+For every maf21 reference configuration (48 in the shared data set) and every trace (Poisson,
+bursty with cv 4), the largest load factor at which every model keeps >= 99% SLO attainment, for
+
+* PPipe   = the ``_v4`` plan under our ``ppipe`` policy (reservation-based batching),
+* NP      = the ``_bl`` plan (no partitioning) under ``ppipe``,
+* DART-r  = the ``_dart-r`` plan under ``ppipe``,
+* Reactive = the ``_v4`` plan under ``reactive`` (per-pool batching, no reservations),
+
+where load factor 1.0 is the ``_v4`` plan's per-model throughput (as in the paper). Every sweep
+runs the daemon's own compiled core on the simulator's virtual clock.
+
+Prints one JSON line per sweep as it finishes, a summary table and the mean per system, and
+writes PNGs: Figure 6 (bars), Figure 7 (attainment vs load factor, one configuration) and
+Figure 12 (per-vGPU timelines, the same configuration, PPipe vs Reactive).
+
+    .venv/bin/python bench/figure6.py                 # the full bench, both cores
+    .venv/bin/python bench/figure6.py --limit 2 --duration 2 --traces poisson   # a smoke run
+
+Runs with ``--jitter 0`` by default: the paper's simulator uses the profiled latencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_DATA = HERE.parent.parent / "shared" / "data" / "ppipe"
+
+SYSTEMS = {  # name -> (plan suffix, policy, sweep start guess per trace; only speed depends on it)
+    "PPipe": ("v4", "ppipe", {"poisson": 0.9, "bursty": 0.2}),
+    "NP": ("bl", "ppipe", {"poisson": 0.55, "bursty": 0.15}),
+    "DART-r": ("dart-r", "ppipe", {"poisson": 0.6, "bursty": 0.15}),
+    "Reactive": ("v4", "reactive", {"poisson": 0.6, "bursty": 0.15}),
+}
+PAPER = {"poisson": {"PPipe": 0.965, "DART-r": 0.749, "NP": 0.668},
+         "bursty": {"PPipe": 0.903, "DART-r": 0.694, "NP": 0.611}}
+
+
+@dataclass(frozen=True)
+class Task:
+    config: str  # the v4 file name without "_v4.json"
+    system: str
+    trace: str
+
+
+def _sweep(task: Task, plans_dir: str, models_dir: str, duration: float, seed: int, sigma: float,
+           target: float, early: float, cv: float) -> dict:
+    """One sweep in a worker process; returns its JSON line."""
+    from ppiped.sim.run import PointSpec
+    from ppiped.sim.sweep import sweep
+
+    suffix, policy, starts = SYSTEMS[task.system]
+    plan = str(Path(plans_dir) / f"{task.config}_{suffix}.json")
+    spec = PointSpec(plan, models_dir, task.trace, duration, seed, policy, sigma, cv, early,
+                     str(Path(plans_dir) / f"{task.config}_v4.json"), target)
+    t0 = time.perf_counter()
+    cpu0 = time.process_time()
+    start = starts.get(task.trace, 0.5) if cv >= 3 or task.trace != "bursty" else 0.6
+    sr = sweep(spec, target, 0.05, 0.01, start=start)
+    return {"config": task.config, "system": task.system, "plan": Path(plan).name, "policy": policy,
+            "trace": task.trace, "cv": cv if task.trace == "bursty" else None, "duration_s": duration, "seed": seed, "jitter_sigma": sigma,
+            "max_load_factor": sr.max_load_factor, "runs": len(sr.points),
+            "points": [[f, a] for f, a in sr.curve()],
+            "wall_s": round(time.perf_counter() - t0, 3), "cpu_s": round(time.process_time() - cpu0, 3)}
+
+
+def short_name(config: str) -> str:
+    """'apcnet+atss+gcnet 0.39-0.26-0.35 L4-P4' from a reference file name stem."""
+    from ppiped.plan import reference_name_info
+
+    info = reference_name_info(config + "_v4.json")
+    head = config.split("_" + "-".join(f"{w:g}" if w != 1 else "1.0" for w in info["weights"]))[0]
+    models = []
+    for part in head.split("-"):
+        tok = part.split("_")[0]
+        if tok and tok[0].isalpha() and not tok.startswith(("d8", "d16", "b3", "b8", "v2", "v3", "caffe")):
+            models.append(tok)
+    gpus = "-".join(info["gpus"])
+    w = "-".join(f"{x:g}" for x in info["weights"])
+    return f"{'+'.join(models[:3])} {w} {gpus}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", default=str(DEFAULT_DATA), help="the PPipe data set (models/, reference-plans/)")
+    ap.add_argument("--duration", type=float, default=30.0, help="simulated seconds per run (default 30)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jitter", type=float, default=0.0, help="lognormal sigma of executor latency (default 0)")
+    ap.add_argument("--start-early-us", type=float, default=0.0, help="executors may start this early (inf: work-conserving)")
+    ap.add_argument("--target", type=float, default=0.99)
+    ap.add_argument("--traces", default="poisson,bursty")
+    ap.add_argument("--cv", type=float, default=4.0, help="bursty: coefficient of variation of the gaps (default 4)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--limit", type=int, default=0, help="only the first N configurations")
+    ap.add_argument("--match", default="", help="only configurations whose name contains this")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--out", default=str(HERE.parent / "out" / "figure6"), help="folder for JSONL, summary and PNGs")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--curve-config", type=int, default=0,
+                    help="index (among those run) of the configuration for the Figure 7/12 plots")
+    args = ap.parse_args(argv)
+
+    data = Path(args.data)
+    plans_dir, models_dir = data / "reference-plans" / "maf21", data / "models"
+    if not plans_dir.is_dir() or not models_dir.is_dir():
+        print(f"figure6: {data} has no reference-plans/maf21 or models/: nothing to do (skipped)", file=sys.stderr)
+        return 0
+    configs = sorted(p.name[: -len("_v4.json")] for p in plans_dir.glob("*_v4.json") if args.match in p.name)
+    if args.limit:
+        configs = configs[: args.limit]
+    traces = [t for t in args.traces.split(",") if t]
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            ap.error(f"unknown system {s!r} (known: {', '.join(SYSTEMS)})")
+    tasks = [Task(c, s, t) for c in configs for t in traces for s in systems
+             if (plans_dir / f"{c}_{SYSTEMS[s][0]}.json").is_file()]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from tqdm import tqdm
+
+    from ppiped.sim.run import PointSpec
+
+    # compile (or load from cache) once in the parent, so forked workers start warm
+    PointSpec(str(plans_dir / f"{configs[0]}_v4.json"), str(models_dir), duration_s=0.05).result(0.1)
+    t0 = time.perf_counter()
+    results: dict[Task, dict] = {}
+    ctx = multiprocessing.get_context("fork")
+    args_common = (str(plans_dir), str(models_dir), args.duration, args.seed, args.jitter, args.target,
+                   args.start_early_us, args.cv)
+    bar = tqdm(total=len(tasks), desc="figure6", unit="sweep", file=sys.stderr, dynamic_ncols=True)
+    with ProcessPoolExecutor(max(1, args.jobs), mp_context=ctx) as pool:
+        futs = {pool.submit(_sweep, t, *args_common): t for t in tasks}
+        for f in as_completed(futs):
+            r = f.result()
+            results[futs[f]] = r
+            tqdm.write(json.dumps(r), file=sys.stdout)
+            bar.update(1)
+    bar.close()
+    wall = time.perf_counter() - t0
+
+    # deterministic files: tasks in order
+    with (out / "runs.jsonl").open("w") as fh:
+        for t in tasks:
+            fh.write(json.dumps(results[t]) + "\n")
+    table = {tr: {s: [results[Task(c, s, tr)]["max_load_factor"] if Task(c, s, tr) in results else math.nan
+                      for c in configs] for s in systems} for tr in traces}
+    means = {tr: {s: _mean(table[tr][s]) for s in systems} for tr in traces}
+    cpu = sum(r["cpu_s"] for r in results.values())
+    summary = {"configs": len(configs), "traces": traces, "systems": systems, "duration_s": args.duration,
+               "seed": args.seed, "bursty_cv": args.cv, "jitter_sigma": args.jitter, "start_early_us": args.start_early_us,
+               "target": args.target, "means": means, "paper": PAPER,
+               "ppipe_over_np": {tr: _ratio(means[tr].get("PPipe"), means[tr].get("NP")) for tr in traces},
+               "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "jobs": args.jobs}
+
+    names = [short_name(c) for c in configs]
+    print()
+    print(_table(names, table, traces, systems, means))
+    print()
+    for tr in traces:
+        paper = PAPER.get(tr, {})
+        row = "  ".join(f"{s} {means[tr][s]:.3f}" + (f" (paper {paper[s]:.3f})" if s in paper else "")
+                        for s in systems)
+        print(f"mean, {tr}: {row}; PPipe/NP {summary['ppipe_over_np'][tr]:.2f} (paper "
+              f"{_ratio(paper.get('PPipe'), paper.get('NP')):.2f})")
+    print(f"{len(tasks)} sweeps, {sum(r['runs'] for r in results.values())} simulations in {wall:.0f} s wall "
+          f"({cpu:.0f} s CPU, {args.jobs} jobs); {args.duration:g} s simulated per run, jitter σ={args.jitter:g}")
+
+    if not args.no_plots and configs:
+        plots = _plots(args, configs, names, table, traces, systems, plans_dir, models_dir, out)
+        summary["plots"] = plots
+        for p in plots:
+            print(f"plot: {p}")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"results: {out / 'runs.jsonl'}  {out / 'summary.json'}")
+    return 0
+
+
+def _mean(xs: list[float]) -> float:
+    ok = [x for x in xs if not math.isnan(x)]
+    return sum(ok) / len(ok) if ok else math.nan
+
+
+def _ratio(a: float | None, b: float | None) -> float:
+    return a / b if a is not None and b else math.nan
+
+
+def _table(names, table, traces, systems, means) -> str:
+    w = max(len(n) for n in names)
+    head = f"{'configuration':<{w}}  " + "   ".join(
+        " ".join(f"{s[:8]:>8}" for s in systems) for _ in traces)
+    sub = f"{'':<{w}}  " + "   ".join(f"{tr:^{9 * len(systems) - 1}}" for tr in traces)
+    lines = [sub, head]
+    for i, n in enumerate(names):
+        lines.append(f"{n:<{w}}  " + "   ".join(" ".join(f"{table[tr][s][i]:8.2f}" for s in systems)
+                                               for tr in traces))
+    lines.append(f"{'mean':<{w}}  " + "   ".join(" ".join(f"{means[tr][s]:8.3f}" for s in systems)
+                                                for tr in traces))
+    return "\n".join(lines)
+
+
+def _plots(args, configs, names, table, traces, systems, plans_dir, models_dir, out) -> list[str]:
+    """Figure 6 bars for every configuration; Figures 7 and 12 for one configuration."""
+    from ppiped.sim.plots import plot_attainment, plot_max_load, plot_timeline
+    from ppiped.sim.run import PointSpec
+
+    paths = [str(plot_max_load({tr: table[tr] for tr in traces}, names, out / "figure6.png",
+                               title=f"max load factor at {100 * args.target:g}% attainment "
+                                     f"({len(configs)} maf21 configurations, jitter σ={args.jitter:g})"))]
+    c = configs[min(args.curve_config, len(configs) - 1)]
+    tr = traces[0]
+    curves = {}
+    lfs = [round(0.3 + 0.05 * i, 2) for i in range(17)]  # 0.30 .. 1.10
+    for s in systems:
+        suffix, policy, _ = SYSTEMS[s]
+        spec = PointSpec(str(plans_dir / f"{c}_{suffix}.json"), str(models_dir), tr, args.duration, args.seed,
+                         policy, args.jitter, args.cv, args.start_early_us, str(plans_dir / f"{c}_v4.json"), None)
+        with ProcessPoolExecutor(max(1, args.jobs), mp_context=multiprocessing.get_context("fork")) as pool:
+            curves[s] = list(zip(lfs, pool.map(spec, lfs), strict=True))
+    paths.append(str(plot_attainment(curves, out / "figure7.png", title=f"{short_name(c)}, {tr}",
+                                     target=args.target)))
+    window = (10e6, 10.05e6) if args.duration > 10.05 else (0.4 * args.duration * 1e6, 0.4 * args.duration * 1e6 + 50e3)
+    for s in ("PPipe", "Reactive"):
+        if s not in systems:
+            continue
+        suffix, policy, _ = SYSTEMS[s]
+        spec = PointSpec(str(plans_dir / f"{c}_{suffix}.json"), str(models_dir), tr, args.duration, args.seed,
+                         policy, args.jitter, args.cv, args.start_early_us, str(plans_dir / f"{c}_v4.json"), None)
+        res = spec.result(0.8, stop=False, timeline_us=window)
+        from ppiped.plan import load_plan
+
+        models = [m.model for m in load_plan(plans_dir / f"{c}_{suffix}.json").models]
+        paths.append(str(plot_timeline(res.timeline, out / f"figure12-{s.lower()}.png", models, window,
+                                       title=f"{short_name(c)}: {s} at load factor 0.8, {tr}, 50 ms")))
+    return paths
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,882 @@
+"""The compiled data plane: probe, reserve, the batching decision, reports, failures, GC.
+
+Every entry point takes the arena ``A`` (see :mod:`state`) and plain scalars, so one call from
+Python costs well under a microsecond on top of the work. Times are float64 µs on the caller's
+clock; nothing here reads a clock.
+
+Entry points return a status (``state.OK`` or a ``FULL_*`` code). A ``FULL_*`` status means a
+fixed-size section ran out of room *before* anything was half-done: the caller grows the arena
+and calls again, and the call carries on where it stopped (outputs accumulate until the next
+``fresh`` decide).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+
+from .depq import peek_min, pop_min, push, remove_at
+from .state import (
+    DROP_DEADLINE,
+    DROP_EARLY,
+    DROP_NO_CAPACITY,
+    F1,
+    F_GUARD,
+    F_LAST_NOW,
+    F_MIN_WAIT,
+    F_WAKE,
+    FULL_BATCH,
+    FULL_OUT,
+    FULL_QUEUE,
+    FULL_SLOTS,
+    FULL_TABLE,
+    H_B,
+    H_BNFREE,
+    H_CALL_PROBES,
+    H_CT_DECIDE,
+    H_CT_DISPATCH,
+    H_CT_DROP,
+    H_CT_GC,
+    H_CT_PROBES,
+    H_CT_REPORT,
+    H_CT_RESERVE,
+    H_EARLY,
+    H_K,
+    H_M,
+    H_NFREE,
+    H_OD,
+    H_OQ,
+    H_OR,
+    H_OUT_ND,
+    H_OUT_NQ,
+    H_OUT_NR,
+    H_OUT_NX,
+    H_OX,
+    H_POLICY,
+    H_Q,
+    H_QC,
+    H_R,
+    H_SEQ,
+    H_V,
+    HANDLE_MASK,
+    HANDLE_SHIFT,
+    I1,
+    KIND_CLAIM,
+    KIND_DOWNLINK,
+    KIND_INFER,
+    KIND_UPLINK,
+    OK,
+    POLICY_REACTIVE,
+    TB,
+    X_B_FINAL,
+    X_B_FREE,
+    X_B_HANDLE,
+    X_B_N,
+    X_B_POOL,
+    X_B_SLOTS,
+    X_LAT,
+    X_MODEL_PIPE0,
+    X_OD_BS,
+    X_OD_FINAL,
+    X_OD_FINISH,
+    X_OD_MODEL,
+    X_OD_NHOPS,
+    X_OD_NRES,
+    X_OD_PATH,
+    X_OD_PIPE,
+    X_OD_REQ0,
+    X_OD_RES0,
+    X_OD_STAGE,
+    X_OQ_RID,
+    X_OQ_SRC,
+    X_OR_END,
+    X_OR_HANDLE,
+    X_OR_HOP,
+    X_OR_KIND,
+    X_OR_RES,
+    X_OR_START,
+    X_OR_VGPU,
+    X_OX_REASON,
+    X_OX_RID,
+    X_PIPE_BS,
+    X_PIPE_MODEL,
+    X_PIPE_NPOOLS,
+    X_PIPE_POOL0,
+    X_POOL_IDLE,
+    X_POOL_LIVE,
+    X_POOL_PIPE,
+    X_POOL_STAGE,
+    X_POOL_V0,
+    X_PR_INF,
+    X_PR_LDUR,
+    X_PR_TDUR,
+    X_PR_TX,
+    X_PR_VG,
+    X_Q_DIRTY,
+    X_Q_SIZE,
+    X_Q_WAKE,
+    X_REM,
+    X_S_ARRIVAL,
+    X_S_DEADLINE,
+    X_S_FREE,
+    X_S_PRIO,
+    X_S_RID,
+    X_S_SRC,
+    X_SCAN_READY,
+    X_SCAN_TX,
+    X_SCAN_V,
+    X_T_HI,
+    X_T_LO,
+    X_TENT_E,
+    X_TENT_R,
+    X_TENT_S,
+    X_TIN,
+    X_V_ALIVE,
+    X_V_BUSY,
+    X_V_POOL,
+    X_V_SERVER,
+    b1,
+    f8,
+    i8,
+    none,
+    off,
+    queues_desc,
+    raw,
+    tables_desc,
+)
+from .tables import (
+    clear_row,
+    correct,
+    earliest1,
+    earliest1_cut,
+    earliest2_cut,
+    gc_row,
+    insert,
+    room,
+)
+
+INF = np.inf
+
+
+# --- probe and reserve (ppipe) -----------------------------------------------------------
+
+
+@njit(cache=True, inline="always")
+def _slot2(A, F, tb, ra, rb, t, d, nt, extra, limit):
+    """Joint NIC slot on ``ra`` and ``rb`` that also avoids this probe's own earlier hops;
+    inf once ``slot + d + extra`` exceeds ``limit``."""
+    o_tr = off(A, X_TENT_R)
+    o_ts = off(A, X_TENT_S)
+    o_te = off(A, X_TENT_E)
+    s = t
+    while True:
+        s = earliest2_cut(F, A, tb, ra, rb, s, d, extra, limit)
+        if s == INF:
+            return s
+        moved = False
+        for j in range(nt):
+            r = A[o_tr + j]
+            if r in (ra, rb) and F[o_ts + j] < s + d and s < F[o_te + j]:
+                s = F[o_te + j]
+                moved = True
+        if not moved:
+            return s
+
+
+@njit(types.Tuple((i8, f8, f8, b1, f8))(I1, F1, TB, i8, i8, i8, f8, f8, f8, i8), cache=True)
+def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt):
+    """Hop ``k`` of a probe: the live vGPU of ``pool`` that finishes first (lowest id on ties).
+
+    For each vGPU: its input's joint NIC slot when it comes from another server (one search
+    per server: vGPUs of a server share its downlink), then its inference slot. Most rows have
+    no usable gap after the ready time (``gfrom <= ready``), so their slot comes from the dense
+    row summaries without reading the row; the others are searched afterwards, cut off as soon
+    as they cannot beat the best finish found. Returns (vgpu, finish, infer start, has transfer,
+    transfer start); vgpu -1 if the pool has no live vGPU.
+    """
+    V = A[H_V]
+    o_vs = off(A, X_V_SERVER)
+    o_va = off(A, X_V_ALIVE)
+    o_pv = off(A, X_POOL_V0)
+    o_tail = tb[6]
+    o_gf = tb[7]
+    o_dv = off(A, X_SCAN_V)
+    o_dr = off(A, X_SCAN_READY)
+    o_dt = off(A, X_SCAN_TX)
+    best_f = INF
+    best_v = -1
+    best_s = 0.0
+    best_tx = 0.0
+    best_has_tx = False
+    nd = 0
+    last_sv = -2
+    last_tx = 0.0
+    for v in range(A[o_pv + pool], A[o_pv + pool + 1]):
+        if A[o_va + v] == 0:
+            continue
+        sv = A[o_vs + v]
+        has_tx = k > 0 and sv != prev_s and T > 0.0
+        tx = 0.0
+        ready = t
+        if has_tx:
+            if sv != last_sv:
+                # the cut-off only tightens during the scan, so a cached slot (or inf) stays right
+                last_sv = sv
+                last_tx = _slot2(A, F, tb, V + 2 * prev_s, V + 2 * sv + 1, t, T, nt, L, best_f)
+            tx = last_tx
+            if tx == INF:
+                continue
+            ready = tx + T
+        if F[o_gf + v] <= ready:
+            s = max(ready, F[o_tail + v])
+            f = s + L
+            if f < best_f or (f == best_f and v < best_v):
+                best_f = f
+                best_v = v
+                best_s = s
+                best_tx = tx
+                best_has_tx = has_tx
+        elif ready + L <= best_f:
+            A[o_dv + nd] = v if has_tx else -1 - v
+            F[o_dr + nd] = ready
+            F[o_dt + nd] = tx
+            nd += 1
+    for i in range(nd):
+        v = A[o_dv + i]
+        has_tx = v >= 0
+        if not has_tx:
+            v = -1 - v
+        ready = F[o_dr + i]
+        s = earliest1_cut(F, A, tb, v, ready, L, 0.0, best_f)
+        f = s + L
+        if f < best_f or (f == best_f and v < best_v):
+            best_f = f
+            best_v = v
+            best_s = s
+            best_tx = F[o_dt + i]
+            best_has_tx = has_tx
+    return best_v, best_f, best_s, best_has_tx, best_tx
+
+
+@njit(types.UniTuple(f8, 2)(I1, F1, i8, i8, f8, i8), cache=True)
+def probe(A, F, p, b, now, buf):
+    """Walk pipeline ``p``'s pools at batch size ``b`` from ``now`` without reserving anything.
+
+    Per pool, for each live vGPU: the joint uplink/downlink slot for its input (when it comes
+    from another server), then its inference slot; the vGPU that finishes first wins (the
+    lowest id on ties). The path and its slots go to scratch buffer ``buf``. Returns
+    ``(finish, waiting)``: waiting is the finish minus ``now`` minus the busy time of the path,
+    i.e. the time the batch would spend queued for resources. ``(inf, inf)`` if a pool is dead.
+    """
+    V = A[H_V]
+    B = A[H_B]
+    K = A[H_K]
+    tb = tables_desc(A)
+    o_vs = off(A, X_V_SERVER)
+    o_lat = off(A, X_LAT)
+    o_tin = off(A, X_TIN)
+    pool0 = A[off(A, X_PIPE_POOL0) + p]
+    npools = A[off(A, X_PIPE_NPOOLS) + p]
+    A[H_CT_PROBES] += 1
+    A[H_CALL_PROBES] += 1
+    t = now
+    prev_s = -1
+    busy = 0.0
+    nt = 0
+    for k in range(npools):
+        pool = pool0 + k
+        L = F[o_lat + pool * B + b - 1]
+        T = F[o_tin + pool * B + b - 1]
+        if A[off(A, X_POOL_LIVE) + pool] == 0 or not L < INF:
+            return INF, INF
+        best_v, best_f, best_s, best_has_tx, best_tx = _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt)
+        if best_v < 0:
+            return INF, INF
+        sv = A[o_vs + best_v]
+        j = buf * K + k
+        A[off(A, X_PR_VG) + j] = best_v
+        F[off(A, X_PR_TX) + j] = best_tx
+        F[off(A, X_PR_INF) + j] = best_s
+        F[off(A, X_PR_LDUR) + j] = L
+        if best_has_tx:
+            F[off(A, X_PR_TDUR) + j] = T
+            busy += T
+            o_tr = off(A, X_TENT_R)
+            o_ts = off(A, X_TENT_S)
+            o_te = off(A, X_TENT_E)
+            A[o_tr + nt] = V + 2 * prev_s
+            F[o_ts + nt] = best_tx
+            F[o_te + nt] = best_tx + T
+            A[o_tr + nt + 1] = V + 2 * sv + 1
+            F[o_ts + nt + 1] = best_tx
+            F[o_te + nt + 1] = best_tx + T
+            nt += 2
+        else:
+            F[off(A, X_PR_TDUR) + j] = 0.0
+        busy += L
+        t = best_f
+        prev_s = sv
+    return t, t - now - busy
+
+
+@njit(b1(I1, F1, TB, i8, i8, f8), cache=True)
+def _has_room(A, F, tb, r, need, now):
+    if room(A, tb, r) >= need:
+        return True
+    A[H_CT_GC] += gc_row(F, A, tb, r, now)
+    return room(A, tb, r) >= need
+
+
+@njit(i8(I1, F1, i8, i8, i8, i8, f8, f8, b1), cache=True)
+def _emit_res(A, F, r, kind, hop, v, s, e, table):
+    """Number a reservation, enter it in ``r``'s table (``table``) and in the output."""
+    h = (A[H_SEQ] << HANDLE_SHIFT) | r
+    A[H_SEQ] += 1
+    A[H_CT_RESERVE] += 1
+    if table:
+        insert(F, A, tables_desc(A), r, s, e, h)
+    i = A[H_OUT_NR]
+    A[off(A, X_OR_HANDLE) + i] = h
+    A[off(A, X_OR_RES) + i] = r
+    A[off(A, X_OR_KIND) + i] = kind
+    A[off(A, X_OR_HOP) + i] = hop
+    A[off(A, X_OR_VGPU) + i] = v
+    F[off(A, X_OR_START) + i] = s
+    F[off(A, X_OR_END) + i] = e
+    A[H_OUT_NR] = i + 1
+    return h
+
+
+@njit(cache=True, inline="always")
+def _free_slot(A, slot):
+    A[off(A, X_S_FREE) + A[H_NFREE]] = slot
+    A[H_NFREE] += 1
+
+
+@njit(none(I1, i8, i8), cache=True)
+def _emit_drop(A, slot, reason):
+    i = A[H_OUT_NX]
+    A[off(A, X_OX_RID) + i] = A[off(A, X_S_RID) + slot]
+    A[off(A, X_OX_REASON) + i] = reason
+    A[H_OUT_NX] = i + 1
+    A[H_CT_DROP] += 1
+    _free_slot(A, slot)
+
+
+@njit(i8(I1, F1, i8, i8), cache=True)
+def _drop_all(A, F, q, reason):
+    dq = queues_desc(A)
+    o_qs = off(A, X_Q_SIZE)
+    while A[o_qs + q] > 0:
+        if A[H_OUT_NX] >= A[H_OX]:
+            return FULL_OUT
+        _emit_drop(A, pop_min(F, A, dq, q), reason)
+    return OK
+
+
+@njit(i8(I1, i8, i8, i8, i8, b1, i8), cache=True)
+def _begin_dispatch(A, m, p, stage, nhops, final, bs):
+    d = A[H_OUT_ND]
+    A[off(A, X_OD_MODEL) + d] = m
+    A[off(A, X_OD_PIPE) + d] = p
+    A[off(A, X_OD_STAGE) + d] = stage
+    A[off(A, X_OD_NHOPS) + d] = nhops
+    A[off(A, X_OD_FINAL) + d] = 1 if final else 0
+    A[off(A, X_OD_BS) + d] = bs
+    A[off(A, X_OD_REQ0) + d] = A[H_OUT_NQ]
+    A[off(A, X_OD_RES0) + d] = A[H_OUT_NR]
+    return d
+
+
+@njit(none(I1, F1, i8, f8), cache=True)
+def _end_dispatch(A, F, d, finish):
+    F[off(A, X_OD_FINISH) + d] = finish
+    A[off(A, X_OD_NRES) + d] = A[H_OUT_NR] - A[off(A, X_OD_RES0) + d]
+    A[H_OUT_ND] = d + 1
+    A[H_CT_DISPATCH] += 1
+
+
+@njit(cache=True, inline="always")
+def _emit_req(A, slot, src):
+    i = A[H_OUT_NQ]
+    A[off(A, X_OQ_RID) + i] = A[off(A, X_S_RID) + slot]
+    A[off(A, X_OQ_SRC) + i] = src
+    A[H_OUT_NQ] = i + 1
+
+
+@njit(i8(I1, F1, i8, i8, i8, i8, f8, f8), cache=True)
+def _commit_ppipe(A, F, m, p, take, buf, fin, now):
+    """Reserve the path in scratch ``buf`` and dispatch ``take`` earliest-deadline requests."""
+    V = A[H_V]
+    K = A[H_K]
+    npools = A[off(A, X_PIPE_NPOOLS) + p]
+    if (A[H_OUT_ND] >= A[H_OD] or A[H_OUT_NR] + 3 * npools > A[H_OR]
+            or A[H_OUT_NQ] + take > A[H_OQ]):
+        return FULL_OUT
+    tb = tables_desc(A)
+    o_vs = off(A, X_V_SERVER)
+    o_vg = off(A, X_PR_VG) + buf * K
+    o_td = off(A, X_PR_TDUR) + buf * K
+    prev_s = -1
+    for k in range(npools):
+        v = A[o_vg + k]
+        sv = A[o_vs + v]
+        if not _has_room(A, F, tb, v, 1, now):
+            return FULL_TABLE
+        if F[o_td + k] > 0.0 and not (_has_room(A, F, tb, V + 2 * prev_s, 2, now)
+                                      and _has_room(A, F, tb, V + 2 * sv + 1, 2, now)):
+            return FULL_TABLE
+        prev_s = sv
+    o_tx = off(A, X_PR_TX) + buf * K
+    o_inf = off(A, X_PR_INF) + buf * K
+    o_ld = off(A, X_PR_LDUR) + buf * K
+    o_path = off(A, X_OD_PATH)
+    d = _begin_dispatch(A, m, p, 0, npools, True, take)
+    prev_s = -1
+    for k in range(npools):
+        v = A[o_vg + k]
+        sv = A[o_vs + v]
+        A[o_path + d * K + k] = v
+        T = F[o_td + k]
+        if T > 0.0:
+            tx = F[o_tx + k]
+            _emit_res(A, F, V + 2 * prev_s, KIND_UPLINK, k, v, tx, tx + T, True)
+            _emit_res(A, F, V + 2 * sv + 1, KIND_DOWNLINK, k, v, tx, tx + T, True)
+        s = F[o_inf + k]
+        _emit_res(A, F, v, KIND_INFER, k, v, s, s + F[o_ld + k], True)
+        prev_s = sv
+    dq = queues_desc(A)
+    for _ in range(take):
+        slot = pop_min(F, A, dq, m)
+        _emit_req(A, slot, -1)
+        _free_slot(A, slot)
+    _end_dispatch(A, F, d, fin)
+    return OK
+
+
+@njit(i8(I1, F1, i8, f8), cache=True)
+def _ppipe_queue(A, F, m, now):
+    """PPipe Algorithm 1 for model ``m``'s queue, until it is empty or waiting."""
+    early = A[H_EARLY] != 0
+    min_wait = F[F_MIN_WAIT]
+    guard = F[F_GUARD]
+    dq = queues_desc(A)
+    o_qs = off(A, X_Q_SIZE)
+    o_qw = off(A, X_Q_WAKE)
+    o_dl = off(A, X_S_DEADLINE)
+    o_bs = off(A, X_PIPE_BS)
+    o_mp = off(A, X_MODEL_PIPE0)
+    while True:
+        n = A[o_qs + m]
+        if n == 0:
+            F[o_qw + m] = INF
+            return OK
+        # 1. the pipeline with the least waiting at its planned batch size
+        best_p = -1
+        best_w = INF
+        best_f = INF
+        bbuf = 0
+        cur = 0
+        for p in range(A[o_mp + m], A[o_mp + m + 1]):
+            f, w = probe(A, F, p, A[o_bs + p], now, cur)
+            if f < INF and w < best_w:
+                best_w = w
+                best_f = f
+                best_p = p
+                bbuf = cur
+                cur = 1 - cur
+        if best_p < 0:
+            F[o_qw + m] = INF
+            return _drop_all(A, F, m, DROP_NO_CAPACITY)
+        # 2. the largest batch size <= planned whose finish meets the oldest deadline
+        dh = F[o_dl + peek_min(A, dq, m)]
+        B = A[o_bs + best_p]
+        chosen = 0
+        cbuf = bbuf
+        cfin = best_f
+        fmin = best_f
+        if best_f <= dh:
+            chosen = B
+        elif not early:
+            cur = 1 - bbuf
+            for b in range(B - 1, 0, -1):
+                f, w = probe(A, F, best_p, b, now, cur)
+                fmin = min(fmin, f)
+                if f <= dh:
+                    chosen = b
+                    cbuf = cur
+                    cfin = f
+                    break
+        # 3a. no batch size fits: drop every request that no probed size serves in time
+        if chosen == 0:
+            reason = DROP_EARLY if early else DROP_DEADLINE
+            while A[o_qs + m] > 0 and F[o_dl + peek_min(A, dq, m)] < fmin:
+                if A[H_OUT_NX] >= A[H_OX]:
+                    return FULL_OUT
+                _emit_drop(A, pop_min(F, A, dq, m), reason)
+            continue
+        take = chosen
+        buf = cbuf
+        fin = cfin
+        # 3b. too few requests: wait until the last moment that still meets the oldest deadline
+        if n < chosen:
+            take = n
+            fn, w = probe(A, F, best_p, n, now, 1 - cbuf)
+            if fn <= dh:
+                slack = dh - fn - guard
+                if slack >= min_wait:
+                    F[o_qw + m] = now + slack
+                    return OK
+                buf = 1 - cbuf
+                fin = fn
+            # else (rare: the greedy path at the smaller size ends later): dispatch the n
+            # requests now on the larger size's reservations, which do meet the deadline
+        # 3c. reserve and dispatch
+        status = _commit_ppipe(A, F, m, best_p, take, buf, fin, now)
+        if status != OK:
+            return status
+
+
+# --- reactive (no reservations) ----------------------------------------------------------
+
+
+@njit(i8(I1, i8), cache=True)
+def _feed_queue(A, pool):
+    """The queue a pool takes batches from: its model's for a first pool, its own otherwise."""
+    if A[off(A, X_POOL_STAGE) + pool] == 0:
+        return A[off(A, X_PIPE_MODEL) + A[off(A, X_POOL_PIPE) + pool]]
+    return A[H_M] + pool
+
+
+@njit(i8(I1, F1, i8, f8), cache=True)
+def _reactive_queue(A, F, q, now):
+    """Per-pool adaptive batching, as long as queue ``q`` has requests and an idle vGPU."""
+    M = A[H_M]
+    B = A[H_B]
+    dq = queues_desc(A)
+    o_qs = off(A, X_Q_SIZE)
+    o_dl = off(A, X_S_DEADLINE)
+    o_src = off(A, X_S_SRC)
+    o_vs = off(A, X_V_SERVER)
+    o_va = off(A, X_V_ALIVE)
+    o_vb = off(A, X_V_BUSY)
+    o_pv = off(A, X_POOL_V0)
+    o_pl = off(A, X_POOL_LIVE)
+    o_pi = off(A, X_POOL_IDLE)
+    o_pp = off(A, X_PIPE_POOL0)
+    o_bsl = off(A, X_B_SLOTS)
+    if q < M:
+        pa = A[off(A, X_MODEL_PIPE0) + q]
+        pb = A[off(A, X_MODEL_PIPE0) + q + 1]
+    else:
+        pa = 0
+        pb = 1
+    while A[o_qs + q] > 0:
+        head = peek_min(A, dq, q)
+        src = A[o_src + head]
+        src_server = A[o_vs + src] if src >= 0 else -1
+        live = False
+        cp = -1
+        cv = -1
+        for j in range(pa, pb):
+            pool = A[o_pp + j] if q < M else q - M
+            if A[o_pl + pool] > 0:
+                live = True
+            if A[o_pi + pool] == 0:
+                continue
+            for v in range(A[o_pv + pool], A[o_pv + pool + 1]):
+                if A[o_va + v] != 0 and A[o_vb + v] < 0:
+                    if cv < 0:
+                        cv = v
+                    if A[o_vs + v] == src_server:
+                        cv = v
+                        break
+            cp = pool
+            break
+        if not live:
+            return _drop_all(A, F, q, DROP_NO_CAPACITY)
+        if cv < 0:
+            return OK
+        p = A[off(A, X_POOL_PIPE) + cp]
+        b = min(A[off(A, X_PIPE_BS) + p], A[o_qs + q])
+        dh = F[o_dl + head]
+        o_rem = off(A, X_REM) + cp * B
+        while b >= 1 and now + F[o_rem + b - 1] > dh:
+            b -= 1
+        if b == 0:
+            if A[H_OUT_NX] >= A[H_OX]:
+                return FULL_OUT
+            _emit_drop(A, pop_min(F, A, dq, q), DROP_DEADLINE)
+            continue
+        if A[H_OUT_ND] >= A[H_OD] or A[H_OUT_NR] + 1 > A[H_OR] or A[H_OUT_NQ] + b > A[H_OQ]:
+            return FULL_OUT
+        if A[H_BNFREE] == 0:
+            return FULL_BATCH
+        A[H_BNFREE] -= 1
+        rec = A[off(A, X_B_FREE) + A[H_BNFREE]]
+        stage = A[off(A, X_POOL_STAGE) + cp]
+        final = stage == A[off(A, X_PIPE_NPOOLS) + p] - 1
+        d = _begin_dispatch(A, A[off(A, X_PIPE_MODEL) + p], p, stage, 1, final, b)
+        A[off(A, X_OD_PATH) + d * A[H_K]] = cv
+        remote = False
+        for i in range(b):
+            slot = pop_min(F, A, dq, q)
+            sv = A[o_src + slot]
+            if sv >= 0 and A[o_vs + sv] != A[o_vs + cv]:
+                remote = True
+            _emit_req(A, slot, sv)
+            if final:
+                _free_slot(A, slot)
+            else:
+                A[o_bsl + rec * B + i] = slot
+        T = F[off(A, X_TIN) + cp * B + b - 1] if remote else 0.0
+        end = now + T + F[off(A, X_LAT) + cp * B + b - 1]
+        h = _emit_res(A, F, cv, KIND_CLAIM, stage, cv, now + T, end, False)
+        A[off(A, X_B_HANDLE) + rec] = h
+        A[off(A, X_B_N) + rec] = 0 if final else b
+        A[off(A, X_B_POOL) + rec] = cp
+        A[off(A, X_B_FINAL) + rec] = 1 if final else 0
+        A[o_vb + cv] = rec
+        A[o_pi + cp] -= 1
+        _end_dispatch(A, F, d, end)
+    return OK
+
+
+@njit(i8(I1, F1, i8, i8, b1), cache=True)
+def _release_batch(A, F, v, rec, ok):
+    """End reactive batch ``rec`` on vGPU ``v``: its requests move to the next pool's queue (ok) or
+    back to the queue they came from (failure). FULL_QUEUE (and no change) if that has no room."""
+    pool = A[off(A, X_B_POOL) + rec]
+    n = A[off(A, X_B_N) + rec]
+    if n > 0:
+        q = A[H_M] + pool + 1 if ok else _feed_queue(A, pool)
+        if A[off(A, X_Q_SIZE) + q] + n > A[H_QC]:
+            return FULL_QUEUE
+        dq = queues_desc(A)
+        o_bsl = off(A, X_B_SLOTS) + rec * A[H_B]
+        o_src = off(A, X_S_SRC)
+        for i in range(n):
+            slot = A[o_bsl + i]
+            if ok:
+                A[o_src + slot] = v
+            push(F, A, dq, q, slot)
+        A[off(A, X_Q_DIRTY) + q] = 1
+    A[off(A, X_B_HANDLE) + rec] = -1
+    A[off(A, X_B_FREE) + A[H_BNFREE]] = rec
+    A[H_BNFREE] += 1
+    A[off(A, X_V_BUSY) + v] = -1
+    return OK
+
+
+# --- entry points (called from Python with the arena only) -------------------------------
+
+
+@njit(none(I1, F1, f8, b1), cache=True)
+def _begin_decide(A, F, now, fresh):
+    if fresh:
+        A[H_OUT_ND] = 0
+        A[H_OUT_NR] = 0
+        A[H_OUT_NQ] = 0
+        A[H_OUT_NX] = 0
+        A[H_CALL_PROBES] = 0
+        A[H_CT_DECIDE] += 1
+    if now > F[F_LAST_NOW]:
+        F[F_LAST_NOW] = now
+
+
+@njit(types.Tuple((i8, i8, i8, f8))(I1, f8, b1), cache=True)
+def decide_ppipe(A, now, fresh):
+    """One batching decision at ``now`` over every model queue that changed or whose wake time
+    has come. Returns (status, dispatches, drops, wake-up time); the actions are in the arena's
+    output sections."""
+    A, F = raw(A)
+    _begin_decide(A, F, now, fresh)
+    o_qd = off(A, X_Q_DIRTY)
+    o_qw = off(A, X_Q_WAKE)
+    wake = INF
+    for q in range(A[H_M]):
+        if A[o_qd + q] != 0 or F[o_qw + q] <= now:
+            status = _ppipe_queue(A, F, q, now)
+            if status != OK:
+                return status, A[H_OUT_ND], A[H_OUT_NX], INF
+            A[o_qd + q] = 0
+        wake = min(wake, F[o_qw + q])
+    F[F_WAKE] = wake
+    return OK, A[H_OUT_ND], A[H_OUT_NX], wake
+
+
+@njit(types.Tuple((i8, i8, i8, f8))(I1, f8, b1), cache=True)
+def decide_reactive(A, now, fresh):
+    """Reactive counterpart of :func:`decide_ppipe`: serves every queue that changed (new
+    requests, a vGPU freed). It never waits, so the wake-up time is inf."""
+    A, F = raw(A)
+    _begin_decide(A, F, now, fresh)
+    o_qd = off(A, X_Q_DIRTY)
+    for q in range(A[H_Q]):
+        if A[o_qd + q] != 0:
+            status = _reactive_queue(A, F, q, now)
+            if status != OK:
+                return status, A[H_OUT_ND], A[H_OUT_NX], INF
+            A[o_qd + q] = 0
+    F[F_WAKE] = INF
+    return OK, A[H_OUT_ND], A[H_OUT_NX], INF
+
+
+@njit(i8(I1, i8, i8, f8, f8, i8), cache=True)
+def submit(A, rid, model, arrival, deadline, prio):
+    """Queue request ``rid`` of ``model``; FULL_SLOTS / FULL_QUEUE if the arena must grow."""
+    if A[H_NFREE] == 0:
+        return FULL_SLOTS
+    if A[off(A, X_Q_SIZE) + model] >= A[H_QC]:
+        return FULL_QUEUE
+    A, F = raw(A)
+    A[H_NFREE] -= 1
+    slot = A[off(A, X_S_FREE) + A[H_NFREE]]
+    F[off(A, X_S_DEADLINE) + slot] = deadline
+    F[off(A, X_S_ARRIVAL) + slot] = arrival
+    A[off(A, X_S_RID) + slot] = rid
+    A[off(A, X_S_PRIO) + slot] = prio
+    A[off(A, X_S_SRC) + slot] = -1
+    push(F, A, queues_desc(A), model, slot)
+    A[off(A, X_Q_DIRTY) + model] = 1
+    return OK
+
+
+@njit(i8(I1, i8, i8), cache=True)
+def cancel(A, rid, model):
+    """Remove pending request ``rid`` from ``model``'s queue; 1 if it was there."""
+    A, F = raw(A)
+    dq = queues_desc(A)
+    hb = dq[0] + model * dq[1]
+    o_rid = off(A, X_S_RID)
+    for i in range(A[dq[2] + model]):
+        slot = A[hb + i]
+        if A[o_rid + slot] == rid:
+            remove_at(F, A, dq, model, i)
+            _free_slot(A, slot)
+            A[off(A, X_Q_DIRTY) + model] = 1
+            return 1
+    return 0
+
+
+@njit(i8(I1, F1, i8, f8, f8), cache=True)
+def _report_one(A, F, h, a, b):
+    r = h & HANDLE_MASK
+    if r >= A[H_R]:
+        return OK
+    A[H_CT_REPORT] += 1
+    o_va = off(A, X_V_ALIVE)
+    if A[H_POLICY] == POLICY_REACTIVE:
+        if r >= A[H_V]:
+            return OK
+        rec = A[off(A, X_V_BUSY) + r]
+        if rec < 0 or A[off(A, X_B_HANDLE) + rec] != h:
+            return OK  # stale: the vGPU was removed or the batch already ended
+        pool = A[off(A, X_B_POOL) + rec]
+        status = _release_batch(A, F, r, rec, b > a)
+        if status != OK:
+            return status
+        if A[o_va + r] != 0:
+            A[off(A, X_POOL_IDLE) + pool] += 1
+        A[off(A, X_Q_DIRTY) + _feed_queue(A, pool)] = 1
+        return OK
+    horizon = F[F_LAST_NOW]
+    if r < A[H_V] and A[o_va + r] == 0:
+        horizon = INF  # a removed vGPU keeps no reservations
+    if correct(F, A, tables_desc(A), r, h, a, b, horizon) != 0:
+        return FULL_TABLE
+    return OK
+
+
+@njit(i8(I1, i8, f8, f8), cache=True)
+def report(A, h, a, b):
+    """Feedback: reservation ``h`` really ran over ``[a, b)`` (``b <= a``: it did not run)."""
+    A, F = raw(A)
+    return _report_one(A, F, h, a, b)
+
+
+@njit(types.UniTuple(i8, 2)(I1, I1, F1, F1, i8), cache=True)
+def report_many(A, hs, starts, ends, i0):
+    """Reports ``i0..`` in order; returns (status, index of the first one not applied)."""
+    A, F = raw(A)
+    for i in range(i0, hs.shape[0]):
+        status = _report_one(A, F, hs[i], starts[i], ends[i])
+        if status != OK:
+            return status, i
+    return OK, hs.shape[0]
+
+
+@njit(i8(I1, i8, b1), cache=True)
+def set_alive(A, v, alive):
+    """Take vGPU ``v`` out of service (its reservations are released; a reactive batch on it goes
+    back to its queue) or put it back. Every queue is re-decided at the next call."""
+    A, F = raw(A)
+    o_va = off(A, X_V_ALIVE)
+    if (A[o_va + v] != 0) == alive:
+        return OK
+    pool = A[off(A, X_V_POOL) + v]
+    o_pl = off(A, X_POOL_LIVE)
+    o_pi = off(A, X_POOL_IDLE)
+    reactive = A[H_POLICY] == POLICY_REACTIVE
+    if not alive:
+        busy = A[off(A, X_V_BUSY) + v]
+        if reactive and busy >= 0:
+            status = _release_batch(A, F, v, busy, False)
+            if status != OK:
+                return status
+        elif reactive:
+            A[o_pi + pool] -= 1
+        A[o_va + v] = 0
+        A[o_pl + pool] -= 1
+    else:
+        A[o_va + v] = 1
+        A[o_pl + pool] += 1
+        if reactive:
+            A[o_pi + pool] += 1
+    clear_row(F, A, tables_desc(A), v)
+    o_qd = off(A, X_Q_DIRTY)
+    for q in range(A[H_Q]):
+        A[o_qd + q] = 1
+    return OK
+
+
+@njit(i8(I1, f8), cache=True)
+def gc(A, now):
+    """Drop every interval that ended at or before ``now``; returns how many."""
+    A, F = raw(A)
+    if now > F[F_LAST_NOW]:
+        F[F_LAST_NOW] = now
+    tb = tables_desc(A)
+    o_lo = off(A, X_T_LO)
+    o_hi = off(A, X_T_HI)
+    n = 0
+    for r in range(A[H_R]):
+        if A[o_hi + r] > A[o_lo + r]:
+            n += gc_row(F, A, tb, r, now)
+    A[H_CT_GC] += n
+    return n
+
+
+@njit(f8(I1, I1, f8, f8), cache=True)
+def earliest(A, rs, t, d):
+    """``earliest_slot``: first start >= ``t`` at which every resource in ``rs`` is free for ``d``."""
+    A, F = raw(A)
+    tb = tables_desc(A)
+    s = t
+    while True:
+        moved = False
+        for r in rs:
+            s2 = earliest1(F, A, tb, r, s, d)
+            if s2 != s:
+                s = s2
+                moved = True
+        if not moved:
+            return s
+
+
+@njit(types.UniTuple(f8, 2)(I1, i8, i8, f8), cache=True)
+def probe_entry(A, p, b, now):
+    """probe() from Python, for tests and tools: returns (finish, waiting); the path is in
+    scratch buffer 0."""
+    A, F = raw(A)
+    return probe(A, F, p, b, now, 0)

@@ -1,0 +1,284 @@
+"""Client library: submit a frame to a model, get its result or a typed error.
+
+Asyncio::
+
+    async with AsyncClient("tcp://127.0.0.1:5555") as c:
+        r = await c.submit("resnet50", frame_bytes, slo_ms=80)   # Result, or raises
+        print(r.data, r.arrays())
+
+Blocking (any thread; the socket lives on a private event-loop thread)::
+
+    with Client("tcp://127.0.0.1:5555") as c:
+        r = c.submit("resnet50", frame_bytes)
+
+Errors: :class:`Dropped` (accepted, then not served in time: ``reason`` says why),
+:class:`Rejected` (never admitted: unknown model, oversize payload, overloaded, bad input), and
+``TimeoutError`` when no reply came within the client's timeout (the scheduler answers every
+accepted request, so this means it is unreachable). Requests submitted in the same event-loop
+turn for the same model travel in one message, which is what lets one client offer tens of
+thousands of requests per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import zmq
+
+from . import wire
+from .daemon.loop import Reader, send_parts
+from .wire import Status, T
+
+Callback = Callable[[int, int, str, Any, Any], None]  # (id, status, reason, frame, meta)
+
+
+class RequestError(Exception):
+    """Base of the typed errors a request can end with; ``reason`` is a stable code."""
+
+    def __init__(self, reason: str, model: str = "") -> None:
+        super().__init__(f"{reason}" + (f" (model {model})" if model else ""))
+        self.reason = reason
+        self.model = model
+
+
+class Dropped(RequestError):
+    """The scheduler accepted the request but could not serve it within its SLO."""
+
+
+class Rejected(RequestError):
+    """The scheduler refused the request (unknown model, payload too large, malformed, overloaded)."""
+
+
+class Result:
+    """A reply: ``data`` holds the raw output bytes; ``meta`` lists ``[dtype, shape, name]`` per output
+    (None for emulated executors, which echo the input frame)."""
+
+    __slots__ = ("data", "meta")
+
+    def __init__(self, data: bytes, meta: Any) -> None:
+        self.data = data
+        self.meta = meta
+
+    def arrays(self) -> list[np.ndarray]:
+        """The outputs as numpy arrays, split by ``meta`` (one array per model output)."""
+        if not self.meta:
+            return [np.frombuffer(self.data, dtype=np.uint8)]
+        out, off = [], 0
+        for dtype, shape, _name in self.meta:
+            dt = np.dtype(dtype)
+            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            out.append(np.frombuffer(self.data, dtype=dt, count=n // dt.itemsize, offset=off).reshape(shape))
+            off += n
+        return out
+
+    def __repr__(self) -> str:
+        return f"Result({len(self.data)} bytes, meta={self.meta})"
+
+
+def error_for(status: int, reason: str, model: str = "") -> RequestError:
+    return Rejected(reason, model) if status == Status.REJECTED else Dropped(reason, model)
+
+
+class AsyncClient:
+    """One DEALER connection to the scheduler; safe to use from one event loop."""
+
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", timeout_s: float | None = 30.0,
+                 max_ids_per_message: int = 1024) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.max_ids = max_ids_per_message
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(endpoint)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Callback] = {}
+        self._out: dict[tuple[str, int], tuple[list[int], list]] = {}
+        self._flush_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: Reader | None = None
+        self._pings: dict[int, asyncio.Future] = {}
+        self.errors: list[tuple[str, str]] = []  # ERROR messages not tied to a request
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _attach(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+            self._reader = Reader(loop, self._sock, self._on_msg)
+        return loop
+
+    # --- submitting ---------------------------------------------------------------------------
+
+    def submit_cb(self, model: str, frame: Any, slo_ms: float | None, cb: Callback) -> int:
+        """Queue one request; ``cb(id, status, reason, frame, meta)`` runs once, on its reply."""
+        self._attach()
+        rid = next(self._ids)
+        self._pending[rid] = cb
+        key = (model, 0 if slo_ms is None else max(1, int(slo_ms * 1000)))
+        q = self._out.get(key)
+        if q is None:
+            q = self._out[key] = ([], [])
+        q[0].append(rid)
+        q[1].append(frame)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self.flush)
+        return rid
+
+    def flush(self) -> None:
+        """Send everything queued: one multipart per (model, SLO), at most ``max_ids`` requests each."""
+        self._flush_scheduled = False
+        out, self._out = self._out, {}
+        sock = self._sock
+        for (model, slo_us), (ids, frames) in out.items():
+            for i in range(0, len(ids), self.max_ids):
+                chunk = ids[i:i + self.max_ids]
+                send_parts(sock, [wire.submit(model, slo_us, chunk), *frames[i:i + self.max_ids]])
+        if self._reader is not None:
+            self._reader.kick()
+
+    async def submit(self, model: str, frame: Any, slo_ms: float | None = None,
+                     timeout_s: float | None = -1.0) -> Result:
+        """Serve ``frame`` with ``model``; the SLO defaults to the model's. Raises Dropped/Rejected."""
+        loop = self._attach()
+        fut = loop.create_future()
+
+        def done(rid: int, status: int, reason: str, f: Any, meta: Any) -> None:
+            if fut.done():
+                return
+            if status == Status.OK:
+                fut.set_result(Result(f.bytes if hasattr(f, "bytes") else bytes(f), meta))
+            else:
+                fut.set_exception(error_for(status, reason, model))
+
+        rid = self.submit_cb(model, frame, slo_ms, done)
+        t = self.timeout_s if timeout_s == -1.0 else timeout_s
+        try:
+            return await asyncio.wait_for(fut, t) if t is not None else await fut
+        except asyncio.TimeoutError:
+            self._pending.pop(rid, None)
+            raise TimeoutError(f"no reply from {self.endpoint} within {t} s") from None
+
+    async def submit_many(self, model: str, frames: Sequence[Any], slo_ms: float | None = None
+                          ) -> list[Result | RequestError]:
+        """Submit several frames at once; each entry is a Result or the error it ended with."""
+        futs = [asyncio.ensure_future(self.submit(model, f, slo_ms)) for f in frames]
+        out: list[Result | RequestError] = []
+        for f in futs:
+            try:
+                out.append(await f)
+            except RequestError as e:
+                out.append(e)
+        return out
+
+    async def info(self, timeout_s: float = 5.0) -> dict:
+        """Ask the scheduler what it serves: models with their SLOs, limits, protocol version."""
+        loop = self._attach()
+        token = next(self._ids)
+        fut = loop.create_future()
+        self._pings[token] = fut
+        self._sock.send(wire.ping(token))
+        self._reader.kick()
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no answer from {self.endpoint} within {timeout_s} s") from None
+        finally:
+            self._pings.pop(token, None)
+
+    # --- replies ------------------------------------------------------------------------------
+
+    def _on_msg(self, msg: list) -> None:
+        try:
+            h = wire.decode(msg[0])
+        except wire.ProtocolError as e:
+            self.errors.append((e.code, str(e)))
+            return
+        t = h[1]
+        if t == T.REPLY:
+            _, _, ids, status, reason, meta = h
+            pending = self._pending
+            if status == Status.OK:
+                if len(msg) - 1 != len(ids):
+                    self.errors.append((wire.MALFORMED, "REPLY frame count mismatch"))
+                    return
+                for rid, f in zip(ids, msg[1:]):  # noqa: B905 - lengths checked above
+                    cb = pending.pop(rid, None)
+                    if cb is not None:
+                        cb(rid, status, reason, f, meta)
+            else:
+                for rid in ids:
+                    cb = pending.pop(rid, None)
+                    if cb is not None:
+                        cb(rid, status, reason, None, None)
+        elif t == T.PONG:
+            fut = self._pings.get(h[2])
+            if fut is not None and not fut.done():
+                fut.set_result(h[3])
+        elif t == T.ERROR:
+            self.errors.append((h[2], h[3]))
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        self._sock.close(0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class Client:
+    """Blocking client: every call runs on a private event-loop thread, so any thread may call it."""
+
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", timeout_s: float | None = 30.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ppiped-client", daemon=True)
+        self._thread.start()
+        self._ac = self._call(self._make(endpoint, timeout_s))
+
+    @staticmethod
+    async def _make(endpoint: str, timeout_s: float | None) -> AsyncClient:
+        return AsyncClient(endpoint, timeout_s)
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def submit(self, model: str, frame: Any, slo_ms: float | None = None) -> Result:
+        """Serve ``frame`` with ``model``; raises :class:`Dropped` / :class:`Rejected` / TimeoutError."""
+        return self._call(self._ac.submit(model, frame, slo_ms))
+
+    def submit_many(self, model: str, frames: Sequence[Any], slo_ms: float | None = None
+                    ) -> list[Result | RequestError]:
+        return self._call(self._ac.submit_many(model, frames, slo_ms))
+
+    def info(self, timeout_s: float = 5.0) -> dict:
+        return self._call(self._ac.info(timeout_s))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._call(self._ac.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

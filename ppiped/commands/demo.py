@@ -1,0 +1,280 @@
+"""``ppiped demo``: the scheduler and an emulated cluster on this host, driven by the load generator.
+
+What runs: ``ppiped serve`` and a few ``ppiped-executor`` processes (backend ``emulate``, each
+hosting many vGPUs) on private ipc:// sockets, then ``loadgen`` at ``--load-factor`` times each
+model's planned throughput. Printed per model: offered rate, attainment, drops, p50/p99 latency
+as the client measured them; per GPU class: the share of vGPU time spent in batches.
+
+The plan, in order of preference: ``--plan``/``--profiles``; ``plans/example/plan.json`` beside
+the example's profile (a plan made by ``ppiped plan``); the example planned now with the MILP
+planner on ``--cluster`` (default ``plans/example/cluster.toml``, else a small V100+P4 cluster);
+the tiny two-pool plan of :mod:`ppiped.executor.tiny` where the example is absent.
+
+Time scale: emulated executors sleep the profiled latencies, and a Python scheduler reacts in
+tens to hundreds of microseconds. When an SLO is only a millisecond or two (the example CNN is
+small), those reaction times would be a large part of it, so the demo runs the whole cluster
+``K`` times slower: block latencies, transfer times and SLOs multiplied by K, rates divided by K.
+Attainment and utilization are unchanged by the scale for an ideal scheduler; the scale only
+keeps the host's own jitter small against the SLO, and the request rate within what one host
+emulates (a real cluster of 100 GPUs serves thousands of requests per second; here one CPU core
+runs the scheduler and another the load generator and every emulated GPU). ``--time-scale auto``
+picks the smallest K that makes the tightest SLO at least ``--min-slo-ms`` and the total offered
+rate at most ``--max-rate``; the output states K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..daemon.launch import LocalCluster, short_tmpdir, split_groups, write_config
+from ..errors import InputError
+from ..plan import Plan, load_plan, save_plan
+from ..profiles import Profile, load_profiles, save_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE_DIR = ROOT / "plans" / "example"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="serve the example plan on an emulated local cluster under load; "
+                                    "print attainment, latency and utilization")
+    p.add_argument("--plan", help="plan to serve (default: the embedded example)")
+    p.add_argument("--profiles", help="profiles of the plan's models (needed with --plan)")
+    p.add_argument("--cluster", help="cluster spec to plan the example on (default: a small V100+P4 cluster)")
+    p.add_argument("--load-factor", type=float, default=0.8, help="offered load / planned throughput")
+    p.add_argument("--duration", type=float, default=15.0, help="seconds of load")
+    p.add_argument("--arrivals", default="poisson", help="poisson or bursty")
+    p.add_argument("--processes", type=int, default=2, help="executor processes hosting the vGPUs")
+    p.add_argument("--time-scale", default="auto", help="run the cluster K times slower (auto or a number)")
+    p.add_argument("--min-slo-ms", type=float, default=60.0, help="auto time scale: tightest SLO after scaling")
+    p.add_argument("--max-rate", type=float, default=800.0,
+                   help="auto time scale: most requests/s offered in all (what this host emulates comfortably)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", help="keep config, plan and logs in this directory")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(func=run)
+
+
+# --- which plan --------------------------------------------------------------------------
+
+
+# The example CNN is profiled on V100 (split 1-4) and P4; a small cluster of both to plan it on
+# when the example directory brings no cluster spec of its own.
+DEMO_CLUSTER = {"nic_gbps": 10, "gpus": {"V100": {"count": 2, "per_server": 2, "splits": [1, 2, 3, 4]},
+                                         "P4": {"count": 6, "per_server": 1, "splits": [1]}}}
+
+
+def _example_plan(cluster_path: str | None) -> tuple[Plan, dict[str, Profile], str] | None:
+    prof_path = EXAMPLE_DIR / "example.json"
+    plan_path = EXAMPLE_DIR / "plan.json"
+    if not prof_path.exists():
+        return None
+    profiles = load_profiles(EXAMPLE_DIR, ["example"])
+    if plan_path.exists() and cluster_path is None:
+        return load_plan(plan_path), profiles, str(plan_path)
+    try:
+        from ..planner import plan_cluster
+    except ImportError:
+        return None
+    from ..cluster import cluster_from_json, load_cluster
+    from ..plan import PlanParams
+
+    spec = Path(cluster_path) if cluster_path else EXAMPLE_DIR / "cluster.toml"
+    if spec.exists():
+        cluster, where = load_cluster(spec), str(spec)
+    else:
+        cluster, where = cluster_from_json(DEMO_CLUSTER, "demo cluster"), _cluster_text(DEMO_CLUSTER)
+    ref = profiles["example"].extra.get("slo_reference_gpu", "L4")
+    plan = plan_cluster(profiles, ["example"], [1.0], cluster, PlanParams(slo_reference_gpu=ref),
+                        time_limit=20.0)
+    return plan, profiles, f"example CNN (plans/example) planned now with the ppipe MILP on {where}"
+
+
+def _cluster_text(spec: dict) -> str:
+    gpus = ", ".join(f"{g['count']} {name} ({g['per_server']}/server)" for name, g in spec["gpus"].items())
+    return f"{gpus}, {spec['nic_gbps']:g} Gb/s"
+
+
+def _tiny_plan(work: Path) -> tuple[Plan, dict[str, Profile], str]:
+    from ..executor import tiny
+
+    plan_path, prof_dir = tiny.write_example(work / "tiny", vgpus=(3, 4), bs=4, slo_ms=60.0)
+    return load_plan(plan_path), load_profiles(prof_dir), "tiny two-pool plan (ppiped.executor.tiny)"
+
+
+def choose_plan(args: argparse.Namespace, work: Path) -> tuple[Plan, dict[str, Profile], str]:
+    if args.plan:
+        if not args.profiles:
+            raise InputError("--plan needs --profiles (the directory of its models' profiles)")
+        plan = load_plan(args.plan)
+        return plan, load_profiles(args.profiles, [m.model for m in plan.models]), args.plan
+    if args.profiles:
+        raise InputError("--profiles is only used with --plan")
+    found = _example_plan(args.cluster)
+    return found if found is not None else _tiny_plan(work)
+
+
+# --- time scale --------------------------------------------------------------------------
+
+
+def pick_time_scale(plan: Plan | None, value: str, min_slo_ms: float, offered_rps: float = 0.0,
+                    max_rate: float = math.inf) -> float:
+    if value != "auto":
+        try:
+            k = float(value)
+        except ValueError:
+            raise InputError(f"--time-scale: expected 'auto' or a number, got {value!r}") from None
+        if not k > 0:
+            raise InputError("--time-scale must be positive")
+        return k
+    assert plan is not None
+    tightest = min(m.slo_us for m in plan.models) / 1000
+    return float(max(1, math.ceil(min_slo_ms / tightest), math.ceil(offered_rps / max_rate)))
+
+
+def scale_time(plan: Plan, profiles: dict[str, Profile], k: float) -> tuple[Plan, dict[str, Profile]]:
+    """The same cluster ``k`` times slower: latencies and SLOs × k, NIC and rates ÷ k."""
+    if k == 1:
+        return plan, profiles
+    out_profiles = {}
+    for name, p in profiles.items():
+        q = copy.copy(p)
+        q.latency = {g: {v: a * k for v, a in sp.items()} for g, sp in p.latency.items()}
+        q.whole_model_latency_us = {g: x * k for g, x in p.whole_model_latency_us.items()}
+        q.__post_init__()
+        out_profiles[name] = q
+    d = plan.to_json()
+    d["cluster"]["nic_gbps"] = d["cluster"]["nic_gbps"] / k
+    d["objective"]["normalized_throughput"] /= k
+    for m in d["models"]:
+        m["slo_us"] *= k
+        m["throughput_rps"] /= k
+        m["batch_delay_rate_rps"] /= k
+        for p in m["pipelines"]:
+            p["throughput_rps"] /= k
+            p["latency_us"] *= k
+            for q in p["partitions"]:
+                q["lat_infer_us"] *= k
+                q["lat_trans_us"] *= k
+                q["throughput_rps"] /= k
+    from ..plan import plan_from_json
+
+    return plan_from_json(d, f"{plan.source} (time x{k:g})"), out_profiles
+
+
+# --- the run -----------------------------------------------------------------------------
+
+
+def run_demo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import uvloop
+
+    from .loadgen import run_load
+
+    plan, profiles, origin = choose_plan(args, work)
+    offered = args.load_factor * sum(m.throughput_rps for m in plan.models)
+    k = pick_time_scale(plan, args.time_scale, args.min_slo_ms, offered, args.max_rate)
+    plan, profiles = scale_time(plan, profiles, k)
+    (work / "profiles").mkdir(parents=True, exist_ok=True)
+    for name, p in profiles.items():
+        save_profile(p, work / "profiles" / f"{name}.json")
+    save_plan(plan, work / "plan.json")
+    cfg = write_config(work, work / "plan.json", work / "profiles", heartbeat_ms=100, timeout_ms=1000)
+    from ..core.layout import Layout
+
+    layout = Layout.from_plan(plan, profiles)
+    n = layout.num_vgpus
+    rates = {m.model: args.load_factor * m.throughput_rps for m in plan.models}
+    if not any(r > 0 for r in rates.values()):
+        raise InputError("the plan has no throughput to offer load against")
+    cluster = LocalCluster(cfg, split_groups(n, args.processes), log_dir=work)
+    t_start = time.monotonic()
+    with cluster:
+        ready_s = time.monotonic() - t_start
+        before = cluster.status()
+        result = uvloop.run(run_load(cluster.client_endpoint, rates, args.duration, kind=args.arrivals,
+                                     seed=args.seed))
+        after = cluster.status()
+    if before is None or after is None:
+        raise InputError("the scheduler stopped answering status queries; see the logs with --keep DIR")
+    span_us = after["now_us"] - before["now_us"]
+    util = {}
+    for g, c in after["gpu_classes"].items():
+        busy = c["busy_us"] - before["gpu_classes"][g]["busy_us"]
+        util[g] = {"vgpus": c["vgpus"], "gpus": round(c["gpu_share"], 3),
+                   "utilization": busy / (span_us * c["vgpus"]) if span_us > 0 else 0.0}
+    models = []
+    for m in result["models"]:
+        st = after["models"][m["model"]]
+        models.append({**m, "mean_batch": st["mean_batch"]})
+    return {
+        "plan": origin, "time_scale": k, "load_factor": args.load_factor, "arrivals": args.arrivals,
+        "duration_s": args.duration, "vgpus": n, "executor_processes": len(cluster.groups),
+        "startup_s": round(ready_s, 2), "models": models, "total": result["total"], "gpu_classes": util,
+        "scheduler": {"overhead_us": after["overhead_us"], "wake_late_us": after["wake_late_us"],
+                      "counters": after["counters"]},
+    }
+
+
+def format_demo(r: dict[str, Any]) -> str:
+    lines = [f"plan: {r['plan']}",
+             f"{r['vgpus']} emulated vGPUs in {r['executor_processes']} executor processes; time scale "
+             f"x{r['time_scale']:g} (latencies and SLOs x{r['time_scale']:g}, rates /{r['time_scale']:g}); "
+             f"load factor {r['load_factor']}, {r['arrivals']} arrivals, {r['duration_s']:g} s", ""]
+    rows = [("model", "offered/s", "sent", "attainment", "drops", "rejects", "p50 ms", "p99 ms", "SLO ms",
+             "batch")]
+    for m in r["models"]:
+        rows.append((m["model"][:34], f"{m['offered_rps']:.1f}", str(m["sent"]), f"{100 * m['attainment']:.2f}%",
+                     str(m["dropped"] + m["no_reply"]), str(m["rejected"]), f"{m['p50_ms']:.1f}",
+                     f"{m['p99_ms']:.1f}", f"{m['slo_ms']:.1f}", f"{m['mean_batch']:.2f}"))
+    t = r["total"]
+    rows.append(("all", "", str(t["sent"]), f"{100 * t['attainment']:.2f}%", str(t["dropped"] + t["no_reply"]),
+                 str(t["rejected"]), f"{t['p50_ms']:.1f}", f"{t['p99_ms']:.1f}", "", ""))
+    lines += _table(rows)
+    lines.append("")
+    rows = [("GPU class", "vGPUs", "GPUs", "utilization")]
+    for g, u in r["gpu_classes"].items():
+        rows.append((g, str(u["vgpus"]), f"{u['gpus']:g}", f"{100 * u['utilization']:.1f}%"))
+    lines += _table(rows)
+    ov = r["scheduler"]["overhead_us"]
+    if ov.get("n"):
+        lines.append("")
+        lines.append(f"scheduler overhead per request (receive to dispatch): p50 {ov['p50']:.0f} us, "
+                     f"p99 {ov['p99']:.0f} us")
+    return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = ["  ".join(c.ljust(wi) if i == 0 else c.rjust(wi) for i, (c, wi) in enumerate(zip(r, w, strict=True)))
+           for r in rows]
+    out.insert(1, "  ".join("-" * wi for wi in w))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 < args.load_factor <= 10:
+        raise InputError("--load-factor must be in (0, 10]")
+    if args.time_scale != "auto":
+        pick_time_scale(None, args.time_scale, args.min_slo_ms)  # validate before any planning
+    if args.keep:
+        work = Path(args.keep).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        if len(str(work)) > 60:
+            raise InputError(f"--keep {work}: path too long for ipc sockets (60 characters at most)")
+        r = run_demo(args, work)
+    else:
+        with short_tmpdir("ppiped-demo-") as d:
+            r = run_demo(args, Path(d))
+    if args.json:
+        print(json.dumps(r))
+    else:
+        print(format_demo(r))
+    sys.stdout.flush()
+    return 0 if r["total"]["no_reply"] == 0 else 1

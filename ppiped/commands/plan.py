@@ -1,0 +1,104 @@
+"""``ppiped plan``: solve the control-plane MILP for a cluster and a load mix; write the plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from ..cluster import cluster_from_flags, load_cluster
+from ..errors import InputError
+from ..plan import PlanParams, check, format_plan_table, save_plan
+from ..profiles import load_profiles
+
+
+def _floats(s: str | None, flag: str) -> list[float] | None:
+    if s is None:
+        return None
+    try:
+        return [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"{flag}: expected comma-separated numbers, got {s!r}") from None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="plan pipelines, pools and batch sizes for a cluster (MILP, CBC)",
+                       description="Choose partitions, vGPU pools and batch sizes that maximise the "
+                       "worst model's throughput/weight under the SLOs (PPipe's MILP, NP or DART-r).")
+    p.add_argument("--profiles", required=True, help="directory of ppiped-profile/1 files")
+    p.add_argument("--models", required=True, help="comma-separated model names")
+    p.add_argument("--weights", help="comma-separated load weights, one per model (default: equal)")
+    g = p.add_argument_group("cluster (a TOML spec, or the flags)")
+    g.add_argument("--cluster", help="cluster spec TOML")
+    g.add_argument("--gpus", help="GPU types and counts, e.g. L4:25,P4:75")
+    g.add_argument("--gpus-per-server", help="GPUs per server per type, e.g. 1,1 (default 1)")
+    g.add_argument("--vgpu-splits", help="largest vGPU split per type, e.g. 4,1 (default 1)")
+    g.add_argument("--nic-gbps", type=float, default=10.0, help="server NIC bandwidth (default 10)")
+    r = p.add_argument_group("planning rules")
+    r.add_argument("--max-partitions", type=int, default=2, help="partitions per pipeline (default 2)")
+    r.add_argument("--slo-scale", type=float, default=5.0,
+                   help="SLO = scale x whole-model latency on --slo-reference-gpu at batch 1 (default 5)")
+    r.add_argument("--slo-reference-gpu", default="L4", help="GPU type the SLO scale refers to (default L4)")
+    r.add_argument("--slo-ms", help="explicit SLOs in ms, one per model (overrides --slo-scale)")
+    r.add_argument("--slo-margin", type=float, default=0.4, help="fraction of the SLO kept free (default 0.4)")
+    r.add_argument("--batch-delay-factor", type=float, default=1.3,
+                   help="initial batching delay = factor x (bs-1) / rate (default 1.3)")
+    r.add_argument("--batch-delay-rate",
+                   help="rate (req/s) per model for the batching-delay estimate (default: from the NP plan)")
+    s = p.add_argument_group("solver")
+    s.add_argument("--algo", choices=("ppipe", "np", "dart-r"), default="ppipe")
+    s.add_argument("--time-limit", type=float, default=60.0, help="seconds for the whole plan (default 60)")
+    s.add_argument("--threads", type=int, default=1, help="CBC threads (default 1)")
+    s.add_argument("--subprocess", action="store_true",
+                   help="solve in a child process, as the daemon does")
+    p.add_argument("-o", "--output", help="write the plan (ppiped-plan/1) here")
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of the table")
+    p.add_argument("-v", "--verbose", action="store_true", help="log the solver's phases on stderr")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.cluster:
+        cluster = load_cluster(args.cluster)
+    elif args.gpus:
+        cluster = cluster_from_flags(args.gpus, args.gpus_per_server, args.vgpu_splits, args.nic_gbps)
+    else:
+        raise InputError("give the cluster: --cluster FILE.toml, or --gpus NAME:COUNT,...")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    weights = _floats(args.weights, "--weights") or [1.0] * len(models)
+    rates = _floats(args.batch_delay_rate, "--batch-delay-rate")
+    slo_ms = _floats(args.slo_ms, "--slo-ms")
+    params = PlanParams(
+        slo_margin=args.slo_margin, batch_delay_factor=args.batch_delay_factor,
+        max_partitions=args.max_partitions,
+        slo_scale=None if slo_ms else args.slo_scale,
+        slo_reference_gpu=None if slo_ms else args.slo_reference_gpu,
+    )
+    profiles = load_profiles(args.profiles, models)
+    slos = [x * 1e3 for x in slo_ms] if slo_ms else None
+    if args.subprocess:
+        from ..planner.solve import make_request, plan_in_subprocess
+
+        req = make_request(profiles, models, weights, cluster, params, args.algo, args.time_limit,
+                           rates, args.threads, slos)
+        plan = plan_in_subprocess(req)
+    else:
+        from ..planner import plan_cluster
+
+        plan = plan_cluster(profiles, models, weights, cluster, params, args.algo, args.time_limit,
+                            rates, args.threads, slos)
+    violations = check(plan, profiles)
+    if args.output:
+        save_plan(plan, args.output)
+    if args.json:
+        print(json.dumps({"algo": plan.algo, "objective": plan.normalized_throughput,
+                          "models": {m.model: m.throughput_rps for m in plan.models},
+                          "solver": plan.solver, "violations": [str(v) for v in violations],
+                          "output": args.output}))
+    else:
+        print(format_plan_table(plan))
+        for v in violations:
+            print(f"CHECK FAILED: {v}")
+    return 1 if violations else 0

@@ -1,0 +1,49 @@
+"""``ppiped serve --config ppiped.toml``: run the scheduler daemon in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import logs
+from ..daemon.config import ConfigError, ServeConfig, load_config
+from ..plan import Plan, load_plan
+from ..profiles import Profile, load_profiles
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the scheduler daemon (clients, executors, ctl) from a serving config")
+    p.add_argument("--config", required=True, help="serving config TOML (see plans/ppiped.toml)")
+    p.add_argument("--plan", help="override the config's plan")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=run)
+
+
+def load_serving(cfg: ServeConfig, plan_path: str | None = None) -> tuple[Plan, dict[str, Profile]]:
+    """The plan in force and the profiles of its models, as the config names them."""
+    from ..cluster import load_cluster
+
+    path = plan_path or cfg.plan
+    if path is None:
+        raise ConfigError(f"{cfg.source}: plan: missing (the plan file to serve)")
+    if cfg.profiles is None:
+        raise ConfigError(f"{cfg.source}: profiles: missing (the directory of the plan's model profiles)")
+    cluster = load_cluster(cfg.cluster) if cfg.cluster else None
+    plan = load_plan(path, cluster)
+    profiles = load_profiles(cfg.profiles, [m.model for m in plan.models])
+    return plan, profiles
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from ..daemon.server import Server
+    from ..plan import check
+
+    logs.setup(args.log_level)
+    log = logs.get("ppiped.serve")
+    cfg = load_config(args.config)
+    plan, profiles = load_serving(cfg, args.plan)
+    for v in check(plan, profiles):  # served anyway: the data plane copes, but say so
+        log.warning("plan-rule-broken", plan=plan.source, violation=str(v))
+    server = Server(cfg, plan, profiles)
+    return uvloop.run(server.run())

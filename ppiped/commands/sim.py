@@ -1,0 +1,114 @@
+"""``ppiped sim``: run a plan on the discrete-event simulator (the daemon's core, virtual clock)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import InputError
+
+
+def add_world_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by ``sim`` and ``sweep``: the trace and the simulated executors."""
+    p.add_argument("--profiles", required=True, help="directory of ppiped-profile/1 files")
+    p.add_argument("--trace", default="poisson",
+                   help="poisson, bursty, or an Azure Functions 2021 trace file (default poisson)")
+    p.add_argument("--cv", type=float, default=4.0, help="bursty: coefficient of variation of the gaps (default 4)")
+    p.add_argument("--duration", type=float, default=30.0, help="simulated seconds of arrivals (default 30)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the trace and the latency jitter")
+    p.add_argument("--policy", default="ppipe", help="ppipe (reservations), reactive, ppipe-early-drop")
+    p.add_argument("--jitter", type=float, default=None, metavar="SIGMA",
+                   help="lognormal sigma of executor latency around the profile (default 0.05; 0: none)")
+    p.add_argument("--start-early-us", type=float, default=0.0,
+                   help="executors may start a batch this long before its reserved start (default 0; inf: work-conserving)")
+    p.add_argument("--base-plan", help="plan whose per-model throughput is load factor 1.0 "
+                                       "(default: the _v4 sibling of a reference plan, else the plan itself)")
+
+
+def options_from(args: argparse.Namespace, **kw):
+    from ..core.scheduler import POLICIES
+    from ..sim.run import DEFAULT_SIGMA, SimOptions
+
+    if args.policy not in POLICIES:
+        raise InputError(f"unknown --policy {args.policy!r} (known: {', '.join(POLICIES)})")
+    sigma = DEFAULT_SIGMA if args.jitter is None else args.jitter
+    if sigma < 0:
+        raise InputError(f"--jitter must be >= 0, got {sigma}")
+    if args.duration <= 0:
+        raise InputError(f"--duration must be > 0, got {args.duration}")
+    return SimOptions(sigma=sigma, start_early_us=args.start_early_us, **kw)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sim", help="simulate a plan under a workload with the daemon's scheduling core")
+    p.add_argument("--plan", required=True, help="ppiped-plan/1 or PPipe reference plan")
+    add_world_args(p)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--rate", type=float, help="total requests/s, split across models by the plan's weights")
+    g.add_argument("--load-factor", type=float, help="each model at F x its throughput in the base plan")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--plot", metavar="FILE", help="write a per-vGPU timeline of batches (PNG)")
+    p.add_argument("--plot-window", type=float, nargs=2, metavar=("FROM_MS", "TO_MS"),
+                   help="timeline window in simulated ms (default: 200 ms from the middle of the run)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..plan import load_plan
+    from ..profiles import load_profiles
+    from ..sim.run import base_rates, simulate, v4_sibling, weight_rates
+    from ..sim.workload import generate
+
+    plan = load_plan(args.plan)
+    profiles = load_profiles(args.profiles, [m.model for m in plan.models])
+    names = [m.model for m in plan.models]
+    if args.rate is not None:
+        if args.rate <= 0:
+            raise InputError(f"--rate must be > 0, got {args.rate}")
+        rates = weight_rates(plan, args.rate)
+    else:
+        if args.load_factor <= 0:
+            raise InputError(f"--load-factor must be > 0, got {args.load_factor}")
+        base = Path(args.base_plan) if args.base_plan else v4_sibling(args.plan)
+        bplan = load_plan(base) if base.is_file() else plan
+        rates = args.load_factor * base_rates(bplan, names)
+    window = None
+    if args.plot:
+        if args.plot_window:
+            window = (args.plot_window[0] * 1e3, args.plot_window[1] * 1e3)
+        else:
+            mid = args.duration * 1e6 / 2
+            window = (mid, mid + 200e3)
+    opt = options_from(args, timeline_us=window)
+    trace = generate(args.trace, list(rates), args.duration, args.seed, args.cv)
+    res = simulate(plan, profiles, trace, args.policy, opt.sigma, args.seed, duration_s=args.duration,
+                   options=opt)
+    res.extra.update(trace=args.trace, load_factor=args.load_factor,
+                     rate_rps=float(np.sum(rates)))
+    if args.plot:
+        from ..sim.plots import plot_timeline
+
+        plot_timeline(res.timeline, args.plot, names, window,
+                      title=f"{Path(args.plan).name[-70:]} — {res.policy}")
+    if args.json:
+        print(json.dumps(_finite(res.to_json())))
+    else:
+        print(res.summary())
+        if args.plot:
+            print(f"timeline: {args.plot}")
+    return 0
+
+
+def _finite(x):
+    """JSON has no NaN/inf: write them as null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x

@@ -1,0 +1,95 @@
+"""``ppiped sweep``: the largest load factor at which every model keeps its SLO attainment target."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from ..errors import InputError
+from .sim import _finite, add_world_args, options_from
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", help="find the max load factor at which every model keeps >= 99%% attainment")
+    p.add_argument("--plan", required=True, action="append",
+                   help="plan to sweep (repeat to compare systems on one plot)")
+    add_world_args(p)
+    p.add_argument("--target", type=float, default=0.99, help="attainment every model must keep (default 0.99)")
+    p.add_argument("--step", type=float, default=0.05, help="coarse step of the load factor (default 0.05)")
+    p.add_argument("--resolution", type=float, default=0.01, help="bisect down to this (default 0.01)")
+    p.add_argument("--start", type=float, default=None,
+                   help="a guess of the answer: search from there instead of from one step (same result, fewer runs)")
+    p.add_argument("--max-factor", type=float, default=3.0)
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (2: both cores)")
+    p.add_argument("--json", action="store_true", help="one JSON line per plan")
+    p.add_argument("--plot", metavar="FILE",
+                   help="attainment vs load factor per plan (PNG, PPipe Figure 7); runs every point to the end")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..plan import load_plan
+    from ..sim.run import PointSpec, base_rates, v4_sibling
+    from ..sim.sweep import sweep
+
+    opt = options_from(args)
+    if not 0 < args.target <= 1:
+        raise InputError(f"--target must be in (0, 1], got {args.target}")
+    if args.jobs < 1:
+        raise InputError(f"--jobs must be >= 1, got {args.jobs}")
+    if not Path(args.profiles).is_dir():
+        raise InputError(f"--profiles {args.profiles}: not a directory")
+    pool = None
+    if args.jobs > 1:
+        pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork"))
+    curves = {}
+    try:
+        for path in args.plan:
+            plan = load_plan(path)
+            names = [m.model for m in plan.models]
+            base = Path(args.base_plan) if args.base_plan else v4_sibling(path)
+            rates = base_rates(load_plan(base) if base.is_file() else plan, names)
+            spec = PointSpec(str(path), str(args.profiles), args.trace, args.duration, args.seed, args.policy,
+                             opt.sigma, args.cv, opt.start_early_us, args.base_plan,
+                             None if args.plot else args.target)
+            sr = sweep(spec, args.target, args.step, args.resolution, args.max_factor, pool, args.jobs,
+                       args.start)
+            lf = sr.max_load_factor
+            detail = spec.result(lf, stop=False) if lf > 0 else None
+            label = Path(path).name
+            curves[f"{plan.algo or label} ({args.policy})"] = sr.curve()
+            out = {
+                "plan": label, "policy": args.policy, "trace": args.trace, "duration_s": args.duration,
+                "seed": args.seed, "jitter_sigma": opt.sigma, "target": args.target,
+                "max_load_factor": lf, "max_rate_rps": float(lf * rates.sum()),
+                "models": [
+                    {"model": n, "rate_rps": float(lf * r),
+                     "attainment": detail.models[i].attainment if detail else None}
+                    for i, (n, r) in enumerate(zip(names, rates, strict=True))
+                ],
+                "points": [[f, a] for f, a in sr.curve()],
+            }
+            if args.json:
+                print(json.dumps(_finite(out)))
+            else:
+                print(f"{label}\n  policy {args.policy}, {args.trace}, {args.duration:g} s, seed {args.seed}: "
+                      f"max load factor {lf:.2f} at >= {100 * args.target:g}% attainment "
+                      f"= {lf * rates.sum():.1f} req/s")
+                for m in out["models"]:
+                    att = f"{100 * m['attainment']:.2f}%" if m["attainment"] is not None else "-"
+                    print(f"    {m['model'][:48]:<48} {m['rate_rps']:9.1f} req/s  attainment {att}")
+            sys.stdout.flush()
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    if args.plot:
+        from ..sim.plots import plot_attainment
+
+        plot_attainment(curves, args.plot, title=f"{args.trace}, {args.duration:g} s", target=args.target)
+        if not args.json:
+            print(f"plot: {args.plot}")
+    return 0

@@ -1,0 +1,242 @@
+"""Where every vGPU of a plan sits, and the latency tables the data plane reads.
+
+A plan says how many vGPUs each pool has; it does not say which physical GPU or server they are
+on, yet the data plane needs servers (vGPUs of a server share its NIC). :meth:`Layout.from_plan`
+decides that deterministically, following the plan's GPU budget rule: per GPU type and partition
+index, the pools' vGPUs are packed onto whole GPUs (first fit, larger vGPUs first), so pools of one
+partition index may share a physical GPU when their counts are fractional, and the partition
+indices take consecutive GPUs of the type. GPU ``g`` of a type sits in server ``g // per_server``.
+
+Ids are dense integers: pipelines in plan order (model by model), pools pipeline by pipeline and
+stage by stage, vGPUs pool by pool. Resources are the vGPUs ``0..V-1``, then per server ``s`` its
+uplink ``V + 2s`` and downlink ``V + 2s + 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..plan import Plan
+from ..profiles import Profile
+
+
+class LayoutError(ValueError):
+    """The plan's vGPUs do not fit the cluster, or a profile it needs is missing."""
+
+
+@dataclass
+class Layout:
+    """Placement and latency tables of one plan; arrays are indexed by the dense ids above.
+
+    Latencies are µs: ``lat[pool, b-1]`` is the inference time of the pool's partition at batch
+    size b (inf where not profiled), ``tin[pool, b-1]`` the transfer of its input from the
+    previous pool over the NIC (0 for a first pool), ``rem[pool, b-1]`` the sum of ``tin + lat``
+    from this pool to the end of its pipeline.
+    """
+
+    models: list[str]
+    slo_us: np.ndarray
+    model_pipe0: np.ndarray  # [M+1] pipelines of model m are model_pipe0[m]..model_pipe0[m+1]-1
+    pipe_model: np.ndarray  # [N]
+    pipe_index: np.ndarray  # [N] index of the pipeline within its model's plan
+    pipe_bs: np.ndarray  # [N] planned batch size
+    pipe_pool0: np.ndarray  # [N] first pool
+    pipe_npools: np.ndarray  # [N]
+    pool_pipe: np.ndarray  # [P]
+    pool_stage: np.ndarray  # [P] partition index
+    pool_gpu: list[str]  # [P] GPU type name
+    pool_split: np.ndarray  # [P]
+    pool_blocks: np.ndarray  # [P, 2] block range [start, end)
+    pool_v0: np.ndarray  # [P+1] vGPUs of pool p are pool_v0[p]..pool_v0[p+1]-1
+    v_pool: np.ndarray  # [V]
+    v_model: np.ndarray
+    v_pipe: np.ndarray
+    v_stage: np.ndarray
+    v_gpu_type: np.ndarray  # [V] index into gpu_types
+    v_split: np.ndarray
+    v_gpu: np.ndarray  # [V] physical GPU id
+    v_server: np.ndarray  # [V] server id
+    gpu_types: list[str]
+    gpu_type: np.ndarray  # [G] type index of each physical GPU
+    gpu_server: np.ndarray  # [G]
+    server_type: np.ndarray  # [S]
+    lat: np.ndarray
+    tin: np.ndarray
+    rem: np.ndarray
+    nic_gbps: float
+
+    @property
+    def num_vgpus(self) -> int:
+        return len(self.v_pool)
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.server_type)
+
+    @property
+    def num_resources(self) -> int:
+        return self.num_vgpus + 2 * self.num_servers
+
+    @property
+    def num_pools(self) -> int:
+        return len(self.pool_pipe)
+
+    @property
+    def num_pipelines(self) -> int:
+        return len(self.pipe_model)
+
+    @property
+    def max_batch(self) -> int:
+        return self.lat.shape[1]
+
+    def uplink(self, server: int) -> int:
+        return self.num_vgpus + 2 * server
+
+    def downlink(self, server: int) -> int:
+        return self.num_vgpus + 2 * server + 1
+
+    def resource_name(self, r: int) -> str:
+        V = self.num_vgpus
+        if r < V:
+            p = self.v_pool[r]
+            return (f"vgpu{r}({self.models[self.v_model[r]]} pipe{self.pipe_index[self.v_pipe[r]]} "
+                    f"part{self.v_stage[r]} {self.pool_gpu[p]} 1/{self.v_split[r]} gpu{self.v_gpu[r]} "
+                    f"server{self.v_server[r]})")
+        s, link = divmod(r - V, 2)
+        return f"server{s}.{'down' if link else 'up'}link"
+
+    def pipelines_of(self, model: int) -> range:
+        return range(int(self.model_pipe0[model]), int(self.model_pipe0[model + 1]))
+
+    @classmethod
+    def from_plan(cls, plan: Plan, profiles: dict[str, Profile]) -> Layout:
+        cl = plan.cluster
+        gpu_types = list(cl.gpus)
+        tindex = {g: i for i, g in enumerate(gpu_types)}
+        models = [m.model for m in plan.models]
+        for m in models:
+            if m not in profiles:
+                raise LayoutError(f"no profile for model {m!r}")
+        # dense pipelines and pools
+        model_pipe0, pipe_model, pipe_index, pipe_bs, pipe_pool0, pipe_npools = [0], [], [], [], [], []
+        pools = []  # (pipe, stage, Partition)
+        for mi, m in enumerate(plan.models):
+            for pi, p in enumerate(m.pipelines):
+                pipe_model.append(mi)
+                pipe_index.append(pi)
+                pipe_bs.append(p.batch_size)
+                pipe_pool0.append(len(pools))
+                pipe_npools.append(len(p.partitions))
+                for d, q in enumerate(p.partitions):
+                    if q.gpu not in tindex:
+                        raise LayoutError(f"model {m.model} pipeline {pi}: GPU type {q.gpu!r} is not in the cluster")
+                    pools.append((len(pipe_model) - 1, d, q))
+            model_pipe0.append(len(pipe_model))
+        P = len(pools)
+        # servers and GPUs, type by type
+        gpu_off, srv_off = {}, {}
+        gpu_type, gpu_server, server_type = [], [], []
+        for g in gpu_types:
+            t = cl.gpus[g]
+            gpu_off[g] = len(gpu_type)
+            srv_off[g] = len(server_type)
+            nsrv = math.ceil(t.count / t.per_server)
+            for i in range(t.count):
+                gpu_type.append(tindex[g])
+                gpu_server.append(srv_off[g] + i // t.per_server)
+            server_type.extend([tindex[g]] * nsrv)
+        # pack vGPUs: per (type, partition index), larger vGPUs first, first fit on whole GPUs
+        unit = math.lcm(*[q.vgpu_split for _, _, q in pools]) if pools else 1
+        v_gpu_of_pool: list[list[int]] = [[] for _ in range(P)]
+        next_gpu = {g: 0 for g in gpu_types}
+        stages = sorted({d for _, d, _ in pools})
+        for g in gpu_types:
+            for d in stages:
+                members = [i for i, (_, dd, q) in enumerate(pools) if dd == d and q.gpu == g]
+                members.sort(key=lambda i: pools[i][2].vgpu_split)  # stable: plan order among equals
+                free: list[int] = []  # remaining units of each opened GPU
+                for i in members:
+                    size = unit // pools[i][2].vgpu_split
+                    for _ in range(pools[i][2].num_vgpus):
+                        for j, f in enumerate(free):
+                            if f >= size:
+                                free[j] -= size
+                                break
+                        else:
+                            j = len(free)
+                            free.append(unit - size)
+                        v_gpu_of_pool[i].append(j)
+                base = next_gpu[g]
+                for i in members:
+                    v_gpu_of_pool[i] = [gpu_off[g] + base + j for j in v_gpu_of_pool[i]]
+                next_gpu[g] = base + len(free)
+            if next_gpu[g] > cl.gpus[g].count:
+                raise LayoutError(f"the plan's {g} vGPUs need {next_gpu[g]} whole GPUs when packed, "
+                                  f"the cluster has {cl.gpus[g].count}")
+        # vGPU arrays, pool by pool
+        pool_v0 = [0]
+        cols: dict[str, list[int]] = {k: [] for k in ("pool", "model", "pipe", "stage", "type", "split", "gpu")}
+        for i, (pipe, d, q) in enumerate(pools):
+            for gid in v_gpu_of_pool[i]:
+                cols["pool"].append(i)
+                cols["model"].append(pipe_model[pipe])
+                cols["pipe"].append(pipe)
+                cols["stage"].append(d)
+                cols["type"].append(tindex[q.gpu])
+                cols["split"].append(q.vgpu_split)
+                cols["gpu"].append(gid)
+            pool_v0.append(len(cols["pool"]))
+        i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+        v_gpu = i64(cols["gpu"])
+        gpu_server_a = i64(gpu_server)
+        # latency tables
+        B = max(pipe_bs) if pipe_bs else 1
+        lat = np.full((P, B), np.inf)
+        tin = np.zeros((P, B))
+        for i, (pipe, d, q) in enumerate(pools):
+            prof = profiles[models[pipe_model[pipe]]]
+            a, e = q.blocks
+            mb = prof.max_batch(q.gpu, q.vgpu_split)
+            for b in range(1, min(B, mb) + 1):
+                lat[i, b - 1] = prof.partition_latency_us(q.gpu, q.vgpu_split, a, e, b)
+                if d > 0:
+                    tin[i, b - 1] = prof.transfer_us(a, b, cl.nic_gbps)
+        rem = tin + lat
+        for n in range(len(pipe_model)):
+            for k in range(pipe_npools[n] - 2, -1, -1):
+                rem[pipe_pool0[n] + k] += rem[pipe_pool0[n] + k + 1]
+        return cls(
+            models=models,
+            slo_us=np.array([m.slo_us for m in plan.models], dtype=np.float64),
+            model_pipe0=i64(model_pipe0),
+            pipe_model=i64(pipe_model),
+            pipe_index=i64(pipe_index),
+            pipe_bs=i64(pipe_bs),
+            pipe_pool0=i64(pipe_pool0),
+            pipe_npools=i64(pipe_npools),
+            pool_pipe=i64([p for p, _, _ in pools]),
+            pool_stage=i64([d for _, d, _ in pools]),
+            pool_gpu=[q.gpu for _, _, q in pools],
+            pool_split=i64([q.vgpu_split for _, _, q in pools]),
+            pool_blocks=i64([list(q.blocks) for _, _, q in pools]).reshape(P, 2),
+            pool_v0=i64(pool_v0),
+            v_pool=i64(cols["pool"]),
+            v_model=i64(cols["model"]),
+            v_pipe=i64(cols["pipe"]),
+            v_stage=i64(cols["stage"]),
+            v_gpu_type=i64(cols["type"]),
+            v_split=i64(cols["split"]),
+            v_gpu=v_gpu,
+            v_server=gpu_server_a[v_gpu] if len(v_gpu) else i64([]),
+            gpu_types=gpu_types,
+            gpu_type=i64(gpu_type),
+            gpu_server=gpu_server_a,
+            server_type=i64(server_type),
+            lat=lat,
+            tin=tin,
+            rem=rem,
+            nic_gbps=cl.nic_gbps,
+        )

@@ -1,0 +1,315 @@
+"""Plain-Python statement of the data plane's semantics, for tests and debugging only.
+
+It says the same thing as ``kernels/`` in the most direct way: reservation tables are lists,
+``earliest_slot`` tries every candidate start (``t`` and every interval end after it) and keeps
+the smallest that is free, queues are lists sorted by deadline. It is slow on purpose; the
+property tests run both on the same inputs and demand the same decisions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .layout import Layout
+
+INF = math.inf
+
+
+class RefTables:
+    """Busy intervals ``(start, end, handle)`` per resource."""
+
+    def __init__(self, n: int):
+        self.rows: list[list[tuple[float, float, int]]] = [[] for _ in range(n)]
+
+    def free(self, r: int, s: float, d: float) -> bool:
+        return all(not (a < s + d and s < b) for a, b, _ in self.rows[r])
+
+    def earliest(self, rs: list[int], t: float, d: float) -> float:
+        """Smallest candidate start (``t`` or an interval end after it) free on every resource."""
+        cands = {t} | {b for r in rs for _, b, _ in self.rows[r] if b > t}
+        return min(s for s in cands if all(self.free(r, s, d) for r in rs))
+
+    def insert(self, r: int, s: float, e: float, h: int) -> None:
+        assert self.free(r, s, e - s), "reference: overlapping insert"
+        self.rows[r].append((s, e, h))
+        self.rows[r].sort(key=lambda x: x[0])
+
+    def correct(self, r: int, h: int, a: float, b: float, horizon: float) -> None:
+        row = [x for x in self.rows[r] if x[2] != h]
+        if b > a and b > horizon:
+            out = []
+            for s, e, hh in row:
+                if s < a < e:
+                    e = a
+                out.append((s, e, hh))
+            before = [x for x in out if x[0] < a]
+            after = sorted((x for x in out if x[0] >= a), key=lambda x: x[0])
+            cur = b
+            moved = []
+            for s, e, hh in after:
+                if s < cur:
+                    s, e = cur, cur + (e - s)
+                moved.append((s, e, hh))
+                cur = max(cur, e)
+            row = before + [(a, b, h)] + moved
+            row.sort(key=lambda x: x[0])
+        self.rows[r] = row
+
+    def gc(self, now: float) -> int:
+        n = 0
+        for r, row in enumerate(self.rows):
+            keep = [x for x in row if x[1] > now]
+            n += len(row) - len(keep)
+            self.rows[r] = keep
+        return n
+
+
+@dataclass
+class RefRequest:
+    rid: int
+    deadline: float
+    src: int = -1
+    seq: int = 0  # arrival order, for deterministic comparisons only
+
+
+@dataclass
+class RefDispatch:
+    model: int
+    pipeline: int
+    stage: int
+    path: list[int]
+    final: bool
+    rids: list[int]
+    finish: float
+    reservations: list[tuple[int, int, float, float]] = field(default_factory=list)  # (res, kind, s, e)
+
+
+class RefScheduler:
+    """The ppipe and reactive policies, written for clarity. Requests are keyed by deadline;
+    when deadlines tie the kernel may order them differently, so tests use distinct deadlines."""
+
+    def __init__(self, layout: Layout, policy: str = "ppipe", min_wait_us: float = 1.0,
+                 wait_guard_us: float = 0.0, early_drop: bool = False):
+        self.L = layout
+        self.policy = policy
+        self.min_wait = min_wait_us
+        self.guard = wait_guard_us
+        self.early = early_drop
+        self.T = RefTables(layout.num_resources)
+        M, P = len(layout.models), layout.num_pools
+        self.queues: list[list[RefRequest]] = [[] for _ in range(M + P)]
+        self.alive = [True] * layout.num_vgpus
+        self.busy: dict[int, tuple[int, list[RefRequest], bool]] = {}  # vgpu -> (handle, reqs, final)
+        # a queue is decided again only when it changed or its wake time came (as in the kernel)
+        self.dirty = [False] * (M + P)
+        self.wake = [INF] * (M + P)
+        self.seq = 0
+        self.handles = 0
+        self.last_now = -INF
+
+    # -- helpers --
+    def _vgpus(self, pool: int) -> list[int]:
+        return [v for v in range(self.L.pool_v0[pool], self.L.pool_v0[pool + 1]) if self.alive[v]]
+
+    def _up(self, s: int) -> int:
+        return self.L.num_vgpus + 2 * s
+
+    def _down(self, s: int) -> int:
+        return self.L.num_vgpus + 2 * s + 1
+
+    def submit(self, rid: int, model: int, deadline: float) -> None:
+        self.seq += 1
+        self._push(model, RefRequest(rid, deadline, -1, self.seq))
+
+    def _push(self, q: int, r: RefRequest) -> None:
+        self.dirty[q] = True
+        self.queues[q].append(r)
+        self.queues[q].sort(key=lambda x: (x.deadline, x.seq))
+
+    def probe(self, p: int, b: int, now: float):
+        """(finish, waiting, hops) with hops = [(vgpu, transfer start or None, T, infer start, L)]."""
+        L = self.L
+        t, prev_s, busy, hops = now, -1, 0.0, []
+        tent: list[tuple[int, float, float]] = []
+        for k in range(int(L.pipe_npools[p])):
+            pool = int(L.pipe_pool0[p]) + k
+            lat, T = float(L.lat[pool, b - 1]), float(L.tin[pool, b - 1])
+            vs = self._vgpus(pool)
+            if not vs or not lat < INF:
+                return INF, INF, []
+            best = None
+            for v in vs:
+                sv = int(L.v_server[v])
+                tx = None
+                ready = t
+                if k > 0 and sv != prev_s and T > 0:
+                    rs = [self._up(prev_s), self._down(sv)]
+                    s = t
+                    while True:
+                        s = self.T.earliest(rs, s, T)
+                        clash = [e for r, a, e in tent if r in rs and a < s + T and s < e]
+                        if not clash:
+                            break
+                        s = max(clash)
+                    tx = s
+                    ready = tx + T
+                s = self.T.earliest([v], ready, lat)
+                if best is None or s + lat < best[0]:
+                    best = (s + lat, v, tx, s)
+            f, v, tx, s = best
+            sv = int(L.v_server[v])
+            if tx is not None:
+                tent += [(self._up(prev_s), tx, tx + T), (self._down(sv), tx, tx + T)]
+                busy += T
+            busy += lat
+            hops.append((v, tx, T, s, lat))
+            t, prev_s = f, sv
+        return t, t - now - busy, hops
+
+    def decide(self, now: float):
+        """Returns (dispatches, drops [(rid, reason)], wake_at)."""
+        self.last_now = max(self.last_now, now)
+        out: list[RefDispatch] = []
+        drops: list[tuple[int, str]] = []
+        if self.policy == "ppipe":
+            for m in range(len(self.L.models)):
+                if self.dirty[m] or self.wake[m] <= now:
+                    self.wake[m] = self._ppipe(m, now, out, drops)
+                    self.dirty[m] = False
+            return out, drops, min(self.wake[:len(self.L.models)])
+        for q in range(len(self.queues)):
+            if self.dirty[q]:
+                self._reactive(q, now, out, drops)
+                self.dirty[q] = False
+        return out, drops, INF
+
+    def _ppipe(self, m: int, now: float, out, drops) -> float:
+        L, q = self.L, self.queues[m]
+        while q:
+            n = len(q)
+            best = None
+            for p in L.pipelines_of(m):
+                f, w, hops = self.probe(p, int(L.pipe_bs[p]), now)
+                if f < INF and (best is None or w < best[1]):
+                    best = (f, w, hops, p)
+            if best is None:
+                drops += [(r.rid, "no-capacity") for r in q]
+                q.clear()
+                return INF
+            f_b, _, hops_b, p = best
+            B = int(L.pipe_bs[p])
+            dh = q[0].deadline
+            chosen, fin, hops, fmin = 0, f_b, hops_b, f_b
+            if f_b <= dh:
+                chosen = B
+            elif not self.early:
+                for b in range(B - 1, 0, -1):
+                    f, _, h = self.probe(p, b, now)
+                    fmin = min(fmin, f)
+                    if f <= dh:
+                        chosen, fin, hops = b, f, h
+                        break
+            if chosen == 0:
+                while q and q[0].deadline < fmin:
+                    drops.append((q.pop(0).rid, "early-drop" if self.early else "deadline"))
+                continue
+            take = chosen
+            if n < chosen:
+                take = n
+                fn, _, hn = self.probe(p, n, now)
+                if fn <= dh:
+                    if dh - fn - self.guard >= self.min_wait:
+                        return now + (dh - fn - self.guard)
+                    fin, hops = fn, hn
+            d = RefDispatch(m, p, 0, [h[0] for h in hops], True, [], fin)
+            prev_s = -1
+            for v, tx, T, s, lat in hops:
+                sv = int(L.v_server[v])
+                if tx is not None:
+                    for r, kind in ((self._up(prev_s), 1), (self._down(sv), 2)):
+                        self.T.insert(r, tx, tx + T, self._handle(r))
+                        d.reservations.append((r, kind, tx, tx + T))
+                self.T.insert(v, s, s + lat, self._handle(v))
+                d.reservations.append((v, 0, s, s + lat))
+                prev_s = sv
+            d.rids = [q.pop(0).rid for _ in range(take)]
+            out.append(d)
+        return INF
+
+    def _handle(self, r: int) -> int:
+        h = (self.handles << 20) | r
+        self.handles += 1
+        return h
+
+    def _reactive(self, qi: int, now: float, out, drops) -> None:
+        L, q, M = self.L, self.queues[qi], len(self.L.models)
+        pools = [int(L.pipe_pool0[p]) for p in L.pipelines_of(qi)] if qi < M else [qi - M]
+        while q:
+            if not any(self._vgpus(pool) for pool in pools):
+                drops += [(r.rid, "no-capacity") for r in q]
+                q.clear()
+                return
+            src = q[0].src
+            src_server = int(L.v_server[src]) if src >= 0 else -1
+            pick = None
+            for pool in pools:
+                idle = [v for v in self._vgpus(pool) if v not in self.busy]
+                if idle:
+                    same = [v for v in idle if int(L.v_server[v]) == src_server]
+                    pick = (pool, same[0] if same else idle[0])
+                    break
+            if pick is None:
+                return
+            pool, v = pick
+            p = int(L.pool_pipe[pool])
+            b = min(int(L.pipe_bs[p]), len(q))
+            while b >= 1 and now + L.rem[pool, b - 1] > q[0].deadline:
+                b -= 1
+            if b == 0:
+                drops.append((q.pop(0).rid, "deadline"))
+                continue
+            reqs = [q.pop(0) for _ in range(b)]
+            stage = int(L.pool_stage[pool])
+            final = stage == int(L.pipe_npools[p]) - 1
+            remote = any(r.src >= 0 and L.v_server[r.src] != L.v_server[v] for r in reqs)
+            T = float(L.tin[pool, b - 1]) if remote else 0.0
+            end = now + T + float(L.lat[pool, b - 1])
+            h = self._handle(v)
+            self.busy[v] = (h, [] if final else reqs, final)
+            out.append(RefDispatch(int(L.pipe_model[p]), p, stage, [v], final, [r.rid for r in reqs], end,
+                                   [(v, 3, now + T, end)]))
+
+    def report(self, h: int, a: float, b: float) -> None:
+        r = h & ((1 << 20) - 1)
+        if self.policy == "ppipe":
+            horizon = INF if r < self.L.num_vgpus and not self.alive[r] else self.last_now
+            self.T.correct(r, h, a, b, horizon)
+            return
+        if r not in self.busy or self.busy[r][0] != h:
+            return
+        _, reqs, _ = self.busy.pop(r)
+        pool = int(self.L.v_pool[r])
+        M = len(self.L.models)
+        stage0 = int(self.L.pool_stage[pool]) == 0
+        self.dirty[int(self.L.v_model[r]) if stage0 else M + pool] = True  # a vGPU is free
+        for req in reqs:
+            if b > a:
+                req.src = r
+                self._push(M + pool + 1, req)
+            else:
+                self._push(int(self.L.v_model[r]) if stage0 else M + pool, req)
+
+    def set_alive(self, v: int, alive: bool) -> None:
+        if self.alive[v] == alive:
+            return
+        if not alive and v in self.busy:
+            h = self.busy[v][0]
+            self.report(h, 0.0, 0.0)
+        self.alive[v] = alive
+        self.T.rows[v] = []
+        self.dirty = [True] * len(self.dirty)
+
+    def gc(self, now: float) -> int:
+        self.last_now = max(self.last_now, now)
+        return self.T.gc(now)

@@ -1,0 +1,289 @@
+"""The serving config (TOML) read by ``ppiped serve`` and ``ppiped-executor``.
+
+Every key is validated and an error names it (``ppiped.toml: limits.max_payload_bytes: ...``).
+Relative paths are relative to the config file. See ``plans/ppiped.toml`` for every key.
+
+Endpoints must be ``ipc://PATH`` or ``tcp://127.0.0.1:PORT`` unless ``endpoints.allow_remote``
+is true: a scheduler that listens on other interfaces is a decision, not a default.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from ..errors import InputError
+
+BACKENDS = ("emulate", "ort", "trt")
+
+
+class ConfigError(InputError):
+    """The serving config is malformed; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class ExecutorSettings:
+    """How one vGPU's executor runs: ``[executor]`` defaults overridden by ``[executors.ID]``."""
+
+    backend: str = "emulate"
+    data_endpoint: str = ""  # empty: tcp://127.0.0.1:(data_port_base + vgpu)
+    data_port_base: int = 7100
+    partitions: str = ""  # ONNX file template: {model} {pipeline} {partition} {start} {end}
+    engines: str = ""  # TensorRT engine cache template (same fields plus {gpu}); default beside the ONNX
+    start_early_us: int = 0  # may start a batch this long before its reserved start
+    threads: int = 1  # ONNX Runtime intra-op threads
+    device: int = 0  # CUDA device
+    split: int = 0  # vGPU split for CUDA MPS (0: from the scheduler's assignment)
+    fp16_engine: bool = True  # build TensorRT engines with FP16 kernels allowed
+
+    def endpoint_for(self, vgpu: int) -> str:
+        if self.data_endpoint:
+            return self.data_endpoint.replace("{vgpu}", str(vgpu))
+        return f"tcp://127.0.0.1:{self.data_port_base + vgpu}"
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    slo_ms: float | None = None  # overrides the plan's SLO
+    input_bytes: int = 0  # expected frame size (0: not checked by the scheduler)
+
+
+@dataclass
+class ServeConfig:
+    source: Path
+    plan: Path | None = None
+    profiles: Path | None = None
+    cluster: Path | None = None
+    client: str = "tcp://127.0.0.1:5555"
+    executor: str = "tcp://127.0.0.1:5556"
+    ctl: str = "tcp://127.0.0.1:5557"
+    allow_remote: bool = False
+    max_payload_bytes: int = 16 << 20
+    max_pending: int = 100_000
+    max_ids_per_message: int = 4096
+    heartbeat_interval_ms: int = 100
+    heartbeat_timeout_ms: int = 1000
+    result_grace_ms: float = 200.0  # a batch is lost this long after its reserved end without a result
+    scheduler: dict[str, Any] = field(default_factory=dict)  # passed to the core as options
+    models: dict[str, ModelSettings] = field(default_factory=dict)
+    executor_defaults: ExecutorSettings = field(default_factory=ExecutorSettings)
+    executors: dict[int, ExecutorSettings] = field(default_factory=dict)
+
+    def executor_settings(self, vgpu: int) -> ExecutorSettings:
+        return self.executors.get(vgpu, self.executor_defaults)
+
+    def partition_file(self, settings: ExecutorSettings, **fields: Any) -> Path:
+        if not settings.partitions:
+            raise ConfigError(f"{self.source}: executor.partitions: needed by the {settings.backend} "
+                              "backend (a template like 'parts/{model}/{start}-{end}.onnx')")
+        return self._resolve(_fill(settings.partitions, fields, "executor.partitions", self.source))
+
+    def engine_file(self, settings: ExecutorSettings, onnx_path: Path, **fields: Any) -> Path:
+        if settings.engines:
+            return self._resolve(_fill(settings.engines, fields, "executor.engines", self.source))
+        return onnx_path.with_suffix(f".{fields.get('gpu', 'gpu')}.engine")
+
+    def _resolve(self, p: str) -> Path:
+        path = Path(p)
+        return path if path.is_absolute() else (self.source.parent / path)
+
+
+_FIELDS = {"model", "pipeline", "partition", "start", "end", "gpu", "vgpu"}
+
+
+def _fill(template: str, fields: dict[str, Any], key: str, source: Path) -> str:
+    for name in re.findall(r"{(\w+)}", template):
+        if name not in _FIELDS:
+            raise ConfigError(f"{source}: {key}: unknown placeholder {{{name}}} "
+                              f"(known: {', '.join(sorted(_FIELDS))})")
+    return re.sub(r"{(\w+)}", lambda m: str(fields.get(m.group(1), m.group(0))), template)
+
+
+_LOCAL_TCP = re.compile(r"^tcp://127\.0\.0\.1:(\d{1,5})$")
+
+
+def check_endpoint(ep: Any, key: str, source: Any, allow_remote: bool = False) -> str:
+    if not isinstance(ep, str) or not ep:
+        raise ConfigError(f"{source}: {key}: expected an endpoint string like 'tcp://127.0.0.1:5555'")
+    if ep.startswith("ipc://"):
+        if len(ep) - 6 > 100:
+            raise ConfigError(f"{source}: {key}: ipc path longer than 100 characters (unix socket limit)")
+        return ep
+    m = _LOCAL_TCP.match(ep)
+    if m and 0 < int(m.group(1)) < 65536:
+        return ep
+    if allow_remote and re.match(r"^tcp://[\w.\-\[\]:]+:\d{1,5}$", ep):
+        return ep
+    raise ConfigError(f"{source}: {key}: {ep!r} is not ipc://PATH or tcp://127.0.0.1:PORT "
+                      "(set endpoints.allow_remote = true to listen elsewhere)")
+
+
+class _Table:
+    """Reads one TOML table, remembering which keys were used so leftovers can be reported."""
+
+    def __init__(self, d: Any, name: str, source: Any) -> None:
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: {name or 'top level'}: expected a table")
+        self.d, self.name, self.source, self.used = d, name, source, set()
+
+    def key(self, k: str) -> str:
+        return f"{self.name}.{k}" if self.name else k
+
+    def get(self, k: str, default: Any, kind: str) -> Any:
+        self.used.add(k)
+        if k not in self.d:
+            return default
+        v = self.d[k]
+        where = f"{self.source}: {self.key(k)}"
+        if kind == "str":
+            if not isinstance(v, str):
+                raise ConfigError(f"{where}: expected a string, got {v!r}")
+        elif kind == "bool":
+            if not isinstance(v, bool):
+                raise ConfigError(f"{where}: expected true or false, got {v!r}")
+        elif kind in ("int+", "int0"):
+            lo = 1 if kind == "int+" else 0
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"{where}: expected an integer >= {lo}, got {v!r}")
+        elif kind == "num+":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"{where}: expected a positive number, got {v!r}")
+            v = float(v)
+        elif kind == "table" and not isinstance(v, dict):
+            raise ConfigError(f"{where}: expected a table")
+        return v
+
+    def sub(self, k: str) -> _Table:
+        return _Table(self.get(k, {}, "table"), self.key(k), self.source)
+
+    def done(self) -> None:
+        extra = sorted(set(self.d) - self.used)
+        if extra:
+            raise ConfigError(f"{self.source}: {self.name or 'top level'}: unknown key(s) "
+                              f"{', '.join(extra)} (known: {', '.join(sorted(self.used))})")
+
+
+def _executor_settings(t: _Table, base: ExecutorSettings, allow_remote: bool) -> ExecutorSettings:
+    s = replace(
+        base,
+        backend=t.get("backend", base.backend, "str"),
+        data_endpoint=t.get("data_endpoint", base.data_endpoint, "str"),
+        data_port_base=t.get("data_port_base", base.data_port_base, "int+"),
+        partitions=t.get("partitions", base.partitions, "str"),
+        engines=t.get("engines", base.engines, "str"),
+        start_early_us=t.get("start_early_us", base.start_early_us, "int0"),
+        threads=t.get("threads", base.threads, "int+"),
+        device=t.get("device", base.device, "int0"),
+        split=t.get("split", base.split, "int0"),
+        fp16_engine=t.get("fp16_engine", base.fp16_engine, "bool"),
+    )
+    if s.backend not in BACKENDS:
+        raise ConfigError(f"{t.source}: {t.key('backend')}: expected one of {', '.join(BACKENDS)}, "
+                          f"got {s.backend!r}")
+    if s.data_endpoint:
+        check_endpoint(s.data_endpoint.replace("{vgpu}", "0"), t.key("data_endpoint"), t.source, allow_remote)
+    t.done()
+    return s
+
+
+def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
+    """Validate a decoded config; relative paths resolve against ``source``'s directory."""
+    src = Path(source)
+    base = src.parent if str(source) != "<memory>" else Path.cwd()
+    top = _Table(d, "", src)
+
+    def path(k: str) -> Path | None:
+        v = top.get(k, None, "str")
+        if v is None:
+            return None
+        p = Path(os.path.expanduser(v))
+        return p if p.is_absolute() else base / p
+
+    cfg = ServeConfig(source=src, plan=path("plan"), profiles=path("profiles"), cluster=path("cluster"))
+    ep = top.sub("endpoints")
+    cfg.allow_remote = ep.get("allow_remote", False, "bool")
+    for k in ("client", "executor", "ctl"):
+        setattr(cfg, k, check_endpoint(ep.get(k, getattr(cfg, k), "str"), ep.key(k), src, cfg.allow_remote))
+    ep.done()
+    lim = top.sub("limits")
+    cfg.max_payload_bytes = lim.get("max_payload_bytes", cfg.max_payload_bytes, "int+")
+    cfg.max_pending = lim.get("max_pending", cfg.max_pending, "int+")
+    cfg.max_ids_per_message = lim.get("max_ids_per_message", cfg.max_ids_per_message, "int+")
+    cfg.result_grace_ms = lim.get("result_grace_ms", cfg.result_grace_ms, "num+")
+    lim.done()
+    hb = top.sub("heartbeat")
+    cfg.heartbeat_interval_ms = hb.get("interval_ms", cfg.heartbeat_interval_ms, "int+")
+    cfg.heartbeat_timeout_ms = hb.get("timeout_ms", cfg.heartbeat_timeout_ms, "int+")
+    if cfg.heartbeat_timeout_ms < 2 * cfg.heartbeat_interval_ms:
+        raise ConfigError(f"{src}: heartbeat.timeout_ms: must be at least twice interval_ms "
+                          f"({cfg.heartbeat_interval_ms}), got {cfg.heartbeat_timeout_ms}")
+    hb.done()
+    cfg.scheduler = dict(top.get("scheduler", {}, "table"))
+    models = top.sub("models")
+    for name in list(models.d):
+        mt = models.sub(name)
+        slo = mt.get("slo_ms", None, "num+")
+        cfg.models[name] = ModelSettings(slo, mt.get("input_bytes", 0, "int0"))
+        mt.done()
+    models.done()
+    cfg.executor_defaults = _executor_settings(top.sub("executor"), ExecutorSettings(), cfg.allow_remote)
+    per = top.sub("executors")
+    for k in list(per.d):
+        if not re.fullmatch(r"\d+", str(k)):
+            raise ConfigError(f"{src}: executors.{k}: tables under [executors] are keyed by vGPU id "
+                              "(an integer), e.g. [executors.3]")
+        cfg.executors[int(k)] = _executor_settings(per.sub(k), cfg.executor_defaults, cfg.allow_remote)
+    per.done()
+    top.done()
+    return cfg
+
+
+def load_config(path: str | Path) -> ServeConfig:
+    path = Path(path)
+    try:
+        d = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return config_from_dict(d, path)
+
+
+def format_ranges(vs: list[int]) -> str:
+    """[0, 1, 2, 5] → '0-2,5' (log lines stay short for processes hosting many vGPUs)."""
+    vs = sorted(vs)
+    out, i = [], 0
+    while i < len(vs):
+        j = i
+        while j + 1 < len(vs) and vs[j + 1] == vs[j] + 1:
+            j += 1
+        out.append(str(vs[i]) if i == j else f"{vs[i]}-{vs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def parse_vgpus(items: list[str]) -> list[int]:
+    """``--vgpu 3 --vgpu 8-11,14`` → [3, 8, 9, 10, 11, 14]."""
+    out: list[int] = []
+    for item in items:
+        for part in item.split(","):
+            part = part.strip()
+            a, sep, b = part.partition("-")
+            try:
+                lo = int(a)
+                hi = int(b) if sep else lo
+            except ValueError:
+                raise ConfigError(f"--vgpu: expected IDs or ranges like 0-7, got {part!r}") from None
+            if lo < 0 or hi < lo:
+                raise ConfigError(f"--vgpu: bad range {part!r}")
+            out.extend(range(lo, hi + 1))
+    if not out:
+        raise ConfigError("--vgpu: at least one vGPU id is needed")
+    if len(set(out)) != len(out):
+        raise ConfigError("--vgpu: a vGPU id is given twice")
+    return out

@@ -1,0 +1,232 @@
+"""Event-loop plumbing shared by the scheduler and the executors.
+
+* :func:`now_us`: the one clock, CLOCK_MONOTONIC in integer microseconds.
+* :class:`Timers`: sub-millisecond timers. libuv (and asyncio's selector) round timeouts to whole
+  milliseconds, which would add up to 1 ms to every wait-until and every emulated inference; a
+  Linux ``timerfd`` armed for the earliest deadline wakes the loop within tens of microseconds.
+* :class:`Reader`: drains a ZeroMQ socket from the loop. ZeroMQ's FD is edge-triggered, so every
+  wake-up reads until EAGAIN, and code that sends on a socket calls :meth:`Reader.kick` so an edge
+  consumed by the send is not lost.
+* :func:`send_parts` / :func:`recv_parts`: multipart send and receive through pyzmq's compiled
+  socket directly. pyzmq's Python layer (``send_multipart``) costs several µs per frame in flag
+  enums and checks, more than the send itself; a dispatch has a frame per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import heapq
+import itertools
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from zmq.backend import Socket as _BackendSocket
+
+
+def now_us() -> int:
+    return time.monotonic_ns() // 1000
+
+
+_bsend = _BackendSocket.send
+_brecv = _BackendSocket.recv
+_bget = _BackendSocket.get
+SNDMORE = int(zmq.SNDMORE)
+NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+ZERO_COPY_BYTES = 1 << 16  # smaller frames are copied: cheaper than zero-copy bookkeeping
+
+
+def send_parts(sock: zmq.Socket, parts: list, flags: int = 0) -> None:
+    """``sock.send_multipart(parts)``; received ``zmq.Frame`` parts are passed on without a copy."""
+    last = len(parts) - 1
+    more = flags | SNDMORE
+    for i in range(last):
+        p = parts[i]
+        _bsend(sock, p, more, len(p) < ZERO_COPY_BYTES, False)
+    p = parts[last]
+    _bsend(sock, p, flags, len(p) < ZERO_COPY_BYTES, False)
+
+
+def recv_parts(sock: zmq.Socket, flags: int = NOBLOCK) -> list:
+    """``sock.recv_multipart(flags, copy=False)``: a list of ``zmq.Frame``."""
+    f = _brecv(sock, flags, False, False)
+    msg = [f]
+    while f.more:
+        f = _brecv(sock, flags, False, False)
+        msg.append(f)
+    return msg
+
+
+def has_input(sock: zmq.Socket) -> bool:
+    return bool(_bget(sock, _EVENTS) & _POLLIN)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+_CLOCK_MONOTONIC = 1
+_TFD_NONBLOCK = 0o4000
+_TFD_CLOEXEC = 0o2000000
+_TFD_TIMER_ABSTIME = 1
+
+
+def _timerfd() -> tuple[int, Callable[[int], None]] | None:
+    """A timerfd and a function arming it at an absolute monotonic time in µs (None off Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        create, settime = libc.timerfd_create, libc.timerfd_settime
+    except (OSError, AttributeError):
+        return None
+    fd = create(_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC)
+    if fd < 0:
+        return None
+    spec = _Itimerspec()
+
+    def arm(when_us: int) -> None:
+        when_us = max(when_us, 1)  # 0 would disarm
+        spec.it_value.tv_sec, rem = divmod(when_us, 1_000_000)
+        spec.it_value.tv_nsec = rem * 1000
+        settime(fd, _TFD_TIMER_ABSTIME, ctypes.byref(spec), None)
+
+    return fd, arm
+
+
+class Timers:
+    """A heap of callbacks keyed by absolute µs, fired from one timerfd (or loop.call_at)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._heap: list[list] = []
+        self._seq = itertools.count()
+        self._armed_for: int | None = None
+        self._fallback: asyncio.TimerHandle | None = None
+        tfd = _timerfd()
+        if tfd is None:
+            self._fd = -1
+            self._arm = None
+        else:
+            self._fd, self._arm = tfd
+            loop.add_reader(self._fd, self._on_fd)
+
+    def call_at(self, when_us: int, cb: Callable[..., Any], *args: Any) -> list:
+        """Run ``cb(*args)`` at ``when_us`` or soon after; returns a handle for :meth:`cancel`."""
+        entry = [when_us, next(self._seq), cb, args]
+        heapq.heappush(self._heap, entry)
+        if self._armed_for is None or when_us < self._armed_for:
+            self._rearm()
+        return entry
+
+    @staticmethod
+    def cancel(entry: list) -> None:
+        entry[2] = None
+
+    def _rearm(self) -> None:
+        heap = self._heap
+        while heap and heap[0][2] is None:
+            heapq.heappop(heap)
+        if not heap:
+            self._armed_for = None
+            return
+        when = heap[0][0]
+        self._armed_for = when
+        if self._arm is not None:
+            self._arm(when)
+        else:
+            if self._fallback is not None:
+                self._fallback.cancel()
+            delay = max(0.0, (when - now_us()) / 1e6)
+            self._fallback = self._loop.call_later(delay, self._fire)
+
+    def _on_fd(self) -> None:
+        try:
+            os.read(self._fd, 8)
+        except BlockingIOError:
+            return
+        self._fire()
+
+    def _fire(self) -> None:
+        heap = self._heap
+        self._armed_for = None
+        t = now_us()
+        while heap and heap[0][0] <= t:
+            entry = heapq.heappop(heap)
+            cb = entry[2]
+            if cb is not None:
+                entry[2] = None
+                cb(*entry[3])
+        self._rearm()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self._loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+        if self._fallback is not None:
+            self._fallback.cancel()
+        self._heap.clear()
+
+
+class Reader:
+    """Calls ``handler(frames)`` for every message on ``sock``, draining it on each wake-up."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket,
+                 handler: Callable[[list], None], after: Callable[[], None] | None = None,
+                 max_per_wakeup: int = 4096) -> None:
+        self._loop = loop
+        self._sock = sock
+        self._handler = handler
+        self._after = after
+        self._max = max_per_wakeup
+        self._scheduled = False
+        self._fd = sock.getsockopt(zmq.FD)
+        loop.add_reader(self._fd, self._drain)
+        self.kick()  # messages may have queued before the reader existed
+
+    def drain_now(self) -> None:
+        """Handle every message already queued, before acting on what has *not* arrived."""
+        self._drain()
+
+    def kick(self) -> None:
+        """Check for input soon: a send may have consumed the edge that announced it."""
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        sock, handler = self._sock, self._handler
+        n = 0
+        try:
+            # ZMQ_EVENTS first: it also processes pending commands, and an empty socket costs no
+            # EAGAIN exception
+            while n < self._max and has_input(sock):
+                try:
+                    msg = recv_parts(sock)
+                except zmq.Again:
+                    break
+                n += 1
+                handler(msg)
+        except zmq.ZMQError as e:
+            if e.errno == zmq.ENOTSOCK or sock.closed:
+                return
+            raise
+        finally:
+            if n and self._after is not None:
+                self._after()
+        if n >= self._max:
+            self.kick()
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(self._fd)

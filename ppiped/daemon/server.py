@@ -1,0 +1,868 @@
+"""``ppiped serve``: the scheduler process. One uvloop thread, three ZeroMQ ROUTER sockets.
+
+* clients: SUBMIT → admission checks → the core's deadline queue; REPLY per request, exactly once.
+* executors: REGISTER / HEARTBEAT / FEEDBACK / RESULT / BYE in; WELCOME / PEERS / DISPATCH /
+  CANCEL out.
+* ctl: JSON status for operators and the demo.
+
+Every scheduling decision is the core's (:class:`ppiped.core.scheduler.Scheduler`): this module
+only feeds it requests with the wall clock, carries out what ``decide`` returns (dispatch now,
+drop, or call again at ``wake_at``) and reports what executors say actually happened.
+Payload frames go from the client socket to the executor socket as the same ``zmq.Frame``
+objects: never copied, never decoded.
+
+Failure handling (nothing hangs): an executor is gone when its connection drops (the executor
+ROUTER is mandatory-routing, so a dispatch to a dead peer fails at once), when it misses
+heartbeats for ``heartbeat.timeout_ms``, or when a batch it holds is overdue by
+``limits.result_grace_ms``. Its vGPUs leave the core (their reservations are released), the other
+executors of its in-flight batches get CANCEL, and each request of those batches goes back into
+the queue with its original deadline: the core serves it if it still can, else drops it and the
+client hears ``executor-lost``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import zmq
+
+from .. import logs, wire
+from ..core.scheduler import DROP_REASONS, Scheduler
+from ..plan import Plan
+from ..profiles import Profile
+from ..wire import Status, T
+from . import sdnotify
+from .config import ConfigError, ServeConfig, format_ranges
+from .loop import Reader, Timers, now_us, send_parts
+
+log = logs.get("ppiped.serve")
+
+OVERHEAD_SAMPLES = 1 << 20
+WAKE_SAMPLES = 1 << 16
+BURST_DECIDE_US = 200
+_ACTION_VIEWS = ("path", "n_hops", "req_start", "bs", "res_start", "n_res_of", "finish_us", "model", "handle",
+                 "kind", "hop", "start_us", "req_id", "drop_id", "drop_reason")
+OFFSET_SAMPLES = 16
+DONE_BATCH_KEEP_US = 2_000_000  # keep answered batches this long for late feedback
+
+
+class Req:
+    __slots__ = ("ident", "cid", "frame", "model", "arrival", "deadline", "recv", "retried")
+
+    def __init__(self, ident: bytes, cid: int, frame: Any, model: int, arrival: int, deadline: int,
+                 recv: int) -> None:
+        self.ident, self.cid, self.frame, self.model = ident, cid, frame, model
+        self.arrival, self.deadline, self.recv, self.retried = arrival, deadline, recv, False
+
+
+class Batch:
+    """A dispatched batch until every request in it is answered and every hop reported."""
+
+    __slots__ = ("id", "model", "path", "infer_h", "link_h", "reqs", "finish", "answered", "times",
+                 "done_at")
+
+    def __init__(self, bid: int, model: int, path: list[int], infer_h: list[int],
+                 link_h: list[tuple[int, int] | None], reqs: dict[int, Req], finish: float) -> None:
+        self.id, self.model, self.path, self.infer_h, self.link_h = bid, model, path, infer_h, link_h
+        self.reqs, self.finish, self.answered = reqs, finish, False
+        self.times: list[tuple[int, int, int] | None] = [None] * len(path)  # per hop (ready, start, end)
+        self.done_at = 0
+
+
+class ExecState:
+    __slots__ = ("ident", "vgpus", "endpoint", "backend", "pid", "incarnation", "last_seen", "offsets",
+                 "offset", "ready")
+
+    def __init__(self, ident: bytes, vgpus: list[int], endpoint: str, backend: str, pid: int,
+                 incarnation: int) -> None:
+        self.ident, self.vgpus, self.endpoint, self.backend = ident, vgpus, endpoint, backend
+        self.pid, self.incarnation = pid, incarnation
+        self.last_seen = now_us()
+        self.offsets: list[int] = []
+        self.offset = 0  # executor clock minus scheduler clock (µs), less the smallest one-way delay
+        self.ready = False
+
+    def clock_sample(self, exec_clock: int, t: int) -> None:
+        self.offsets.append(exec_clock - t)
+        if len(self.offsets) > OFFSET_SAMPLES:
+            del self.offsets[0]
+        self.offset = max(self.offsets)
+
+
+class ModelStats:
+    __slots__ = ("accepted", "ok", "dropped", "rejected", "batches", "batch_reqs")
+
+    def __init__(self) -> None:
+        self.accepted = self.ok = self.batches = self.batch_reqs = 0
+        self.dropped: dict[str, int] = defaultdict(int)
+        self.rejected: dict[str, int] = defaultdict(int)
+
+
+class Server:
+    def __init__(self, cfg: ServeConfig, plan: Plan, profiles: dict[str, Profile]) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        opts = dict(cfg.scheduler)
+        policy = opts.pop("policy", "ppipe")
+        if policy == "reactive":
+            raise ConfigError(f"{cfg.source}: scheduler.policy: the daemon runs the reservation "
+                              "policies (ppipe, ppipe-early-drop); 'reactive' is simulator-only")
+        kw = {}
+        for k in ("min_wait_us", "wait_guard_us"):
+            if k in opts:
+                v = opts.pop(k)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                    raise ConfigError(f"{cfg.source}: scheduler.{k}: expected a number >= 0, got {v!r}")
+                kw[k] = float(v)
+        kw.setdefault("wait_guard_us", 1000.0)  # wake-up lateness of a busy loop on a busy host
+        if opts:
+            raise ConfigError(f"{cfg.source}: scheduler: unknown key(s) {', '.join(sorted(opts))} "
+                              "(known: policy, min_wait_us, wait_guard_us)")
+        try:
+            self.core = Scheduler(plan, profiles, policy=policy, **kw)
+        except ValueError as e:
+            raise ConfigError(f"{cfg.source}: scheduler: {e}") from None
+        self.layout = lay = self.core.layout
+        self.nv = lay.num_vgpus
+        for v in range(self.nv):  # no vGPU serves until its executor says it is ready
+            self.core.remove_vgpu(v)
+        self._warm_up()
+        self.model_names = list(lay.models)
+        self.model_index = {m: i for i, m in enumerate(self.model_names)}
+        for name in cfg.models:
+            if name not in self.model_index:
+                raise ConfigError(f"{cfg.source}: models.{name}: not a model of the plan "
+                                  f"({', '.join(self.model_names)})")
+        self.slo_us = []
+        self.input_bytes = []
+        for i, m in enumerate(self.model_names):
+            ms = cfg.models.get(m)
+            self.slo_us.append(int(ms.slo_ms * 1000) if ms and ms.slo_ms else int(lay.slo_us[i]))
+            self.input_bytes.append(ms.input_bytes if ms else 0)
+        self.assignments = [self._assignment(v) for v in range(self.nv)]
+        self.vgpu_exec: list[ExecState | None] = [None] * self.nv
+        self.execs: dict[bytes, ExecState] = {}
+        self.reqs: dict[int, Req] = {}  # queued in the core
+        self.batches: dict[int, Batch] = {}
+        self.next_rid = 1
+        self.next_batch = 1
+        self.stats = [ModelStats() for _ in self.model_names]
+        self.counters: dict[str, int] = defaultdict(int)
+        self.busy_us = np.zeros(self.nv, dtype=np.float64)
+        self.overhead = np.zeros(OVERHEAD_SAMPLES, dtype=np.float64)
+        self.n_overhead = 0
+        self.wake_late = np.zeros(WAKE_SAMPLES, dtype=np.float64)
+        self.n_wake = 0
+        self._views_key = -1
+        self._v: dict[str, np.ndarray] = {}
+        self.wake_entry: list | None = None
+        self.wake_at = math.inf
+        self.started = now_us()
+        self.stopping = False
+
+    def _warm_up(self) -> None:
+        """Call every compiled entry point once before listening: a first call may JIT-compile
+        for seconds, which must not happen to the first request."""
+        t = float(now_us())
+        self.core.submit(-1, 0, t, t + 1.0)
+        self.core.cancel(-1, 0)
+        self.core.decide(t)
+        self.core.report(-1, t, t)
+        self.core.report_many(np.array([-1, -1], dtype=np.int64), np.array([t, t]), np.array([t, t]))
+        self.core.gc(t)
+
+    def _assignment(self, v: int) -> wire.Assignment:
+        lay = self.layout
+        p = int(lay.v_pool[v])
+        pipe = int(lay.v_pipe[v])
+        stage = int(lay.v_stage[v])
+        last = stage == int(lay.pipe_npools[pipe]) - 1
+        lat = [float(x) for x in lay.lat[p] if math.isfinite(x)]
+        trans = [float(x) for x in lay.tin[p + 1][:len(lat)]] if not last else [0.0] * len(lat)
+        a, e = (int(x) for x in lay.pool_blocks[p])
+        return wire.Assignment(v, lay.models[int(lay.v_model[v])], int(lay.pipe_index[pipe]), stage, a, e,
+                               lay.pool_gpu[p], int(lay.v_split[v]), int(lay.v_server[v]), last, lat, trans)
+
+    # --- life cycle ---------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        self.loop = asyncio.get_running_loop()
+        self.done = self.loop.create_future()
+        self.zctx = zmq.Context()
+        try:
+            self.client = self._bind(zmq.ROUTER, self.cfg.client, "endpoints.client")
+            self.client.setsockopt(zmq.SNDHWM, 0)
+            self.client.setsockopt(zmq.RCVHWM, 0)
+            self.exe = self._bind(zmq.ROUTER, self.cfg.executor, "endpoints.executor", mandatory=True)
+            self.ctl = self._bind(zmq.ROUTER, self.cfg.ctl, "endpoints.ctl")
+        except ConfigError:
+            self.zctx.destroy(0)
+            raise
+        self.timers = Timers(self.loop)
+        self.client_reader = Reader(self.loop, self.client, self.on_client, after=self.after_clients)
+        self.exe_reader = Reader(self.loop, self.exe, self.on_exec, after=self.after_execs)
+        self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                self.loop.add_signal_handler(sig, self.stop)
+        self._dirty_decide = False
+        self._burst_start = 0
+        self.housekeeping()
+        wd = sdnotify.watchdog_interval_s()
+        if wd:
+            self._watchdog(wd)
+        log.info("listening", client=self.cfg.client, executor=self.cfg.executor, ctl=self.cfg.ctl,
+                 models=",".join(self.model_names), vgpus=self.nv, plan=self.plan.source)
+        sdnotify.notify(f"READY=1\nSTATUS=serving {len(self.model_names)} models on {self.nv} vGPUs")
+        await self.done
+        await self.shutdown()
+        return 0
+
+    def _bind(self, kind: int, ep: str, key: str, mandatory: bool = False) -> zmq.Socket:
+        s = self.zctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        if mandatory:
+            s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            s.setsockopt(zmq.SNDHWM, 1_000_000)
+        if ep.startswith("ipc://"):
+            os.makedirs(os.path.dirname(ep[6:]) or ".", exist_ok=True)
+        try:
+            s.bind(ep)
+        except zmq.ZMQError as e:
+            s.close(0)
+            raise ConfigError(f"{self.cfg.source}: {key}: cannot listen on {ep}: {e}") from None
+        return s
+
+    def stop(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    async def shutdown(self) -> None:
+        """Answer everything: queued requests now, in-flight batches after at most a second."""
+        self.stopping = True
+        sdnotify.notify("STOPPING=1")
+        self._drop_reqs(list(self.reqs.values()), wire.SHUTDOWN)
+        self.reqs.clear()
+        end = time.monotonic() + 1.0
+        while any(not b.answered for b in self.batches.values()) and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        for b in self.batches.values():
+            if not b.answered:
+                self._drop_reqs(list(b.reqs.values()), wire.SHUTDOWN)
+                b.reqs.clear()
+                b.answered = True
+        await asyncio.sleep(0.05)  # let the replies leave
+        for r in (self.client_reader, self.exe_reader, self.ctl_reader):
+            r.close()
+        self.timers.close()
+        self.zctx.destroy(0)
+        log.info("stopped", **self._totals())
+
+    def _watchdog(self, every_s: float) -> None:
+        sdnotify.notify("WATCHDOG=1")
+        self.loop.call_later(every_s, self._watchdog, every_s)
+
+    # --- clients ------------------------------------------------------------------------------
+
+    def on_client(self, msg: list) -> None:
+        t = now_us()
+        if not self._burst_start:
+            self._burst_start = t
+        elif self._dirty_decide and t - self._burst_start > BURST_DECIDE_US:
+            # a long burst: decide now rather than after it, so early requests do not wait for it
+            self.decide(self._burst_start)
+            self._burst_start = t
+        ident = msg[0].bytes
+        if len(msg) < 2:
+            self.counters["malformed"] += 1
+            return
+        try:
+            h = wire.decode(msg[1])
+        except wire.ProtocolError as e:
+            self.counters["malformed"] += 1
+            send_parts(self.client, [ident, wire.error(e.code, str(e))])
+            return
+        kind = h[1]
+        if kind == T.SUBMIT:
+            self.on_submit(ident, h, msg, t)
+        elif kind == T.PING:
+            info = {"version": wire.VERSION, "models": {m: {"slo_ms": self.slo_us[i] / 1000,
+                                                            "input_bytes": self.input_bytes[i]}
+                                                        for i, m in enumerate(self.model_names)},
+                    "max_payload_bytes": self.cfg.max_payload_bytes,
+                    "max_ids_per_message": self.cfg.max_ids_per_message,
+                    "vgpus_alive": sum(1 for e in self.execs.values() if e.ready for _ in e.vgpus)}
+            send_parts(self.client, [ident, wire.pong(h[2], info)])
+        else:
+            self.counters["malformed"] += 1
+            send_parts(self.client, [ident, wire.error(wire.MALFORMED,
+                                                          f"a client may not send {T(kind).name}")])
+
+    def on_submit(self, ident: bytes, h: list, msg: list, t: int) -> None:
+        _, _, model, slo_us, ids = h
+        frames = msg[2:]
+        if len(ids) != len(frames):
+            self.counters["malformed"] += 1
+            self._reject(ident, ids, wire.MALFORMED, None,
+                         f"SUBMIT announces {len(ids)} requests and carries {len(frames)} frames")
+            return
+        if len(ids) > self.cfg.max_ids_per_message:
+            self.counters["malformed"] += 1
+            self._reject(ident, ids, wire.MALFORMED, None,
+                         f"more than {self.cfg.max_ids_per_message} requests in one message")
+            return
+        m = self.model_index.get(model)
+        if m is None:
+            self.counters[wire.UNKNOWN_MODEL] += 1
+            self._reject(ident, ids, wire.UNKNOWN_MODEL, None, f"unknown model {model!r}")
+            return
+        st = self.stats[m]
+        if self.stopping:
+            self._reject(ident, ids, wire.SHUTDOWN, st)
+            return
+        slo = slo_us or self.slo_us[m]
+        deadline = t + slo
+        ft, fdl = float(t), float(deadline)
+        limit = self.cfg.max_payload_bytes
+        want = self.input_bytes[m]
+        room = self.cfg.max_pending - len(self.reqs)
+        submit = self.core.submit
+        reqs = self.reqs
+        bad: dict[str, list[int]] = {}
+        rid = self.next_rid
+        for cid, f in zip(ids, frames):  # noqa: B905 - lengths checked above
+            n = len(f)
+            if n > limit:
+                bad.setdefault(wire.PAYLOAD_TOO_LARGE, []).append(cid)
+                continue
+            if want and n != want:
+                bad.setdefault(wire.BAD_INPUT, []).append(cid)
+                continue
+            if room <= 0:
+                bad.setdefault(wire.OVERLOADED, []).append(cid)
+                continue
+            room -= 1
+            reqs[rid] = Req(ident, cid, f, m, t, deadline, t)
+            submit(rid, m, ft, fdl)
+            rid += 1
+        st.accepted += rid - self.next_rid
+        self.next_rid = rid
+        self._dirty_decide = True
+        for reason, cids in bad.items():
+            self.counters[reason] += len(cids)
+            self._reject(ident, cids, reason, st)
+
+    def _reject(self, ident: bytes, cids: list[int], reason: str, st: ModelStats | None,
+                detail: str = "") -> None:
+        if st is not None:
+            st.rejected[reason] += len(cids)
+        if cids:
+            send_parts(self.client, [ident, wire.reply(cids, Status.REJECTED, reason, detail or None)])
+
+    def _drop_reqs(self, reqs: list[Req], reason: str) -> None:
+        """Reply DROPPED to each request, one message per client."""
+        by: dict[bytes, list[int]] = defaultdict(list)
+        for r in reqs:
+            by[r.ident].append(r.cid)
+            self.stats[r.model].dropped[reason] += 1
+        for ident, cids in by.items():
+            send_parts(self.client, [ident, wire.reply(cids, Status.DROPPED, reason)])
+
+    def after_clients(self) -> None:
+        due = self._burst_start
+        self._burst_start = 0
+        if self._dirty_decide:
+            self.decide(due)
+        self._kick()
+
+    def _kick(self) -> None:
+        """Sends may consume the edge of ZeroMQ's FD: look at both sockets again this loop turn."""
+        self.client_reader.kick()
+        self.exe_reader.kick()
+
+    # --- the core's decisions -----------------------------------------------------------------
+
+    def decide(self, due: int) -> None:
+        """Run the core at the current time and carry out what it says. ``due``: when this decision
+        became due (first arrival of the burst, or the wake time), for the overhead figure."""
+        self._dirty_decide = False
+        t = now_us()
+        act = self.core.decide(float(t))
+        if act.n_dispatch:
+            self._dispatch(act, due)
+        if act.n_drop:
+            v = self._views(act)
+            ids = v["drop_id"][:act.n_drop].tolist()
+            why = v["drop_reason"][:act.n_drop].tolist()
+            by: dict[tuple[bytes, str], list[int]] = defaultdict(list)
+            for rid, w in zip(ids, why):  # noqa: B905
+                r = self.reqs.pop(rid, None)
+                if r is None:
+                    continue
+                reason = wire.EXECUTOR_LOST if r.retried else DROP_REASONS.get(w, wire.DEADLINE)
+                self.stats[r.model].dropped[reason] += 1
+                by[(r.ident, reason)].append(r.cid)
+            for (ident, reason), cids in by.items():
+                send_parts(self.client, [ident, wire.reply(cids, Status.DROPPED, reason)])
+        wake = act.wake_at
+        if wake < math.inf:
+            w = int(wake)
+            if self.wake_entry is None or w < self.wake_at:
+                if self.wake_entry is not None:
+                    Timers.cancel(self.wake_entry)
+                self.wake_at = w
+                self.wake_entry = self.timers.call_at(w, self._on_wake, w)
+
+    def _on_wake(self, w: int) -> None:
+        self.wake_entry = None
+        self.wake_at = math.inf
+        late = now_us() - w
+        self.wake_late[self.n_wake & (WAKE_SAMPLES - 1)] = late
+        self.n_wake += 1
+        self.decide(w)
+        self._kick()
+
+    def _views(self, act: Any) -> dict[str, np.ndarray]:
+        """The core's output arrays. They are views into its arena, which is only ever replaced by
+        a larger one, so they are fetched again only when the arena's size changes."""
+        key = self.core.arena_bytes
+        if key != self._views_key:
+            self._v = {k: getattr(act, k) for k in _ACTION_VIEWS}
+            self._views_key = key
+        return self._v
+
+    def _dispatch(self, act: Any, due: int) -> None:
+        n = act.n_dispatch
+        v = self._views(act)
+        path_a = v["path"][:n].tolist()
+        nhops = v["n_hops"][:n].tolist()
+        req0 = v["req_start"][:n].tolist()
+        bss = v["bs"][:n].tolist()
+        res0 = v["res_start"][:n].tolist()
+        nres = v["n_res_of"][:n].tolist()
+        fins = v["finish_us"][:n].tolist()
+        models = v["model"][:n].tolist()
+        nr = act.n_res
+        handles = v["handle"][:nr].tolist()
+        kinds = v["kind"][:nr].tolist()
+        hops = v["hop"][:nr].tolist()
+        starts = v["start_us"][:nr].tolist()
+        rids = v["req_id"][:act.n_req].tolist()
+        exe = self.exe
+        reqs = self.reqs
+        ov = self.overhead
+        for i in range(n):
+            k = nhops[i]
+            path = path_a[i][:k]
+            infer_h = [0] * k
+            link_h: list[tuple[int, int] | None] = [None] * k
+            hop_start = [0.0] * k
+            up = {}
+            for j in range(res0[i], res0[i] + nres[i]):
+                kind, hop = kinds[j], hops[j]
+                if kind == 0:  # infer
+                    infer_h[hop] = handles[j]
+                    hop_start[hop] = starts[j]
+                elif kind == 1:  # uplink
+                    up[hop] = handles[j]
+                elif kind == 2:  # downlink
+                    link_h[hop] = (up.get(hop, -1), handles[j])
+            batch_reqs = {}
+            frames = []
+            for rid in rids[req0[i]:req0[i] + bss[i]]:
+                r = reqs.pop(rid)
+                batch_reqs[rid] = r
+                frames.append(r.frame)
+            bid = self.next_batch
+            self.next_batch += 1
+            execs = [self.vgpu_exec[x] for x in path]
+            ex0 = execs[0]
+            if ex0 is None or any(e is None for e in execs):
+                # cannot happen while the core only uses live vGPUs; be safe: back to the queue
+                self._requeue(list(batch_reqs.values()))
+                continue
+            starts_x = [int(hop_start[h]) + execs[h].offset for h in range(k)]
+            b = Batch(bid, models[i], path, infer_h, link_h, batch_reqs, fins[i])
+            self.batches[bid] = b
+            st = self.stats[models[i]]
+            st.batches += 1
+            st.batch_reqs += len(batch_reqs)
+            try:
+                send_parts(exe, [ex0.ident, wire.dispatch(bid, path, starts_x, list(batch_reqs)), *frames])
+            except zmq.ZMQError as e:  # the executor's connection is gone (mandatory routing)
+                log.warning("dispatch-failed", vgpu=path[0], error=str(e))
+                self.remove_executor(ex0, "unreachable")
+                continue
+            t = now_us()
+            j = self.n_overhead
+            for r in batch_reqs.values():
+                ov[j & (OVERHEAD_SAMPLES - 1)] = t - (r.recv if r.recv > due else due)
+                j += 1
+            self.n_overhead = j
+
+    def _requeue(self, reqs: list[Req]) -> None:
+        """Put requests of a lost batch back in the core with their original deadlines."""
+        t = now_us()
+        late = []
+        for r in reqs:
+            if r.deadline <= t:
+                late.append(r)
+                continue
+            r.retried = True
+            rid = self.next_rid
+            self.next_rid += 1
+            self.reqs[rid] = r
+            self.core.submit(rid, r.model, float(r.arrival), float(r.deadline))
+            self.counters["retried"] += 1
+        if late:
+            self._drop_reqs(late, wire.EXECUTOR_LOST)
+        self._dirty_decide = True
+
+    # --- executors ----------------------------------------------------------------------------
+
+    def on_exec(self, msg: list) -> None:
+        ident = msg[0].bytes
+        if len(msg) < 2:
+            self.counters["exec_malformed"] += 1
+            return
+        try:
+            h = wire.decode(msg[1])
+            kind = h[1]
+            ex = self.execs.get(ident)
+            if kind == T.RESULT:
+                if ex is not None:
+                    if h[6]:
+                        self.on_feedback(ex, h[6])
+                    self.on_result(ex, h, msg[2:])
+            elif kind == T.FEEDBACK:
+                if ex is not None:
+                    self.on_feedback(ex, h[2])
+            elif kind == T.HEARTBEAT:
+                if ex is None:
+                    self._send_exec(ident, wire.error(wire.UNREGISTERED, "register first"))
+                    return
+                t = now_us()
+                ex.last_seen = t
+                ex.clock_sample(h[2], t)
+                if not ex.ready:
+                    self.ready(ex)
+            elif kind == T.REGISTER:
+                self.on_register(ident, h)
+            elif kind == T.BYE:
+                if ex is not None:
+                    self.remove_executor(ex, "bye")
+            else:
+                raise wire.ProtocolError(wire.MALFORMED, f"an executor may not send {T(kind).name}")
+            if ex is not None:
+                ex.last_seen = now_us()
+        except wire.ProtocolError as e:
+            self.counters["exec_malformed"] += 1
+            log.warning("bad-executor-message", code=e.code, error=str(e))
+            self._send_exec(ident, wire.error(e.code, str(e)))
+
+    def _send_exec(self, ident: bytes, *frames: Any) -> bool:
+        try:
+            send_parts(self.exe, [ident, *frames])
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def after_execs(self) -> None:
+        if self._dirty_decide:
+            self.decide(now_us())
+        self._kick()
+
+    def on_register(self, ident: bytes, h: list) -> None:
+        _, _, vgpus, endpoint, backend, pid, clock, incarnation = h
+        unknown = [v for v in vgpus if not 0 <= v < self.nv]
+        if unknown or not vgpus:
+            log.warning("register-refused", vgpus=vgpus, pid=pid)
+            self._send_exec(ident, wire.error("unknown-vgpu", f"vGPU(s) {unknown or vgpus} are not in the "
+                                              f"plan (it has vGPUs 0-{self.nv - 1})"))
+            return
+        old = self.execs.get(ident)
+        if old is not None and old.incarnation == incarnation and old.vgpus == list(vgpus):
+            # a REGISTER repeated while we were starting: answer again, change nothing
+            self._send_exec(ident, wire.welcome([self.assignments[v].to_wire() for v in vgpus],
+                                                self.cfg.heartbeat_interval_ms))
+            return
+        if old is not None:
+            self.remove_executor(old, "re-registered")
+        t = now_us()
+        for v in vgpus:
+            prev = self.vgpu_exec[v]
+            if prev is None or prev.ident == ident:
+                continue
+            if t - prev.last_seen <= self.cfg.heartbeat_timeout_ms * 1000 and \
+                    self._send_exec(prev.ident, wire.ALIVE_HEADER):
+                # two live processes claim one vGPU (a config mistake): the first keeps it
+                self.counters["vgpu_taken"] += 1
+                self._send_exec(ident, wire.error(wire.VGPU_TAKEN, f"vGPU {v} is served by pid {prev.pid} "
+                                                  f"({prev.endpoint}); retrying"))
+                return
+            self.remove_executor(prev, "replaced")  # a restarted executor takes over from the dead one
+        ex = ExecState(ident, list(vgpus), endpoint, backend, pid, incarnation)
+        ex.clock_sample(clock, now_us())
+        self.execs[ident] = ex
+        for v in vgpus:
+            self.vgpu_exec[v] = ex
+        self._send_exec(ident, wire.welcome([self.assignments[v].to_wire() for v in vgpus],
+                                            self.cfg.heartbeat_interval_ms))
+        self._send_peers()
+        log.info("executor-registered", vgpus=format_ranges(vgpus), pid=pid, backend=backend, data=endpoint)
+
+    def _send_peers(self) -> None:
+        directory = {v: e.endpoint for e in self.execs.values() for v in e.vgpus}
+        msg = wire.peers(directory)
+        for e in list(self.execs.values()):
+            self._send_exec(e.ident, msg)
+
+    def ready(self, ex: ExecState) -> None:
+        ex.ready = True
+        for v in ex.vgpus:
+            self.core.restore_vgpu(v)
+        self._dirty_decide = True
+        log.info("executor-ready", vgpus=format_ranges(ex.vgpus), pid=ex.pid,
+                 alive=sum(1 for e in self.execs.values() if e.ready for _ in e.vgpus))
+
+    def remove_executor(self, ex: ExecState, why: str) -> None:
+        if self.execs.get(ex.ident) is not ex:
+            return
+        del self.execs[ex.ident]
+        dead = set(ex.vgpus)
+        for v in ex.vgpus:
+            if self.vgpu_exec[v] is ex:
+                self.vgpu_exec[v] = None
+            if ex.ready:
+                self.core.remove_vgpu(v)
+        lost = [b for b in self.batches.values() if not b.answered and dead.intersection(b.path)]
+        for b in lost:
+            self.lose_batch(b, why)
+        self.counters["executors_lost"] += 1
+        log.warning("executor-removed", vgpus=format_ranges(ex.vgpus), pid=ex.pid, reason=why,
+                    batches_lost=len(lost))
+        self._send_peers()
+        self._dirty_decide = True
+
+    def lose_batch(self, b: Batch, why: str) -> None:
+        """A batch will not finish: void its reservations, cancel it along its path, requeue its requests."""
+        b.answered = True
+        b.done_at = now_us()
+        self.counters["batches_lost"] += 1
+        for h, hop_t in zip(b.infer_h, b.times):  # noqa: B905
+            if hop_t is None:
+                self.core.report(h, 0.0, 0.0)
+        for lh in b.link_h:
+            if lh is not None:
+                for h in lh:
+                    if h >= 0:
+                        self.core.report(h, 0.0, 0.0)
+        msg = wire.cancel([b.id])
+        for ex in {self.vgpu_exec[v] for v in b.path} - {None}:
+            self._send_exec(ex.ident, msg)
+        reqs = list(b.reqs.values())
+        b.reqs.clear()
+        self._requeue(reqs)
+
+    def on_result(self, ex: ExecState, h: list, frames: list) -> None:
+        _, _, bid, ids, meta, failed, _ = h
+        b = self.batches.get(bid)
+        if b is None or b.answered:
+            self.counters["late_results"] += 1
+            return
+        if len(frames) != len(ids):
+            raise wire.ProtocolError(wire.MALFORMED, f"RESULT for {len(ids)} requests carries {len(frames)} frames")
+        st = self.stats[b.model]
+        if ids:
+            by: dict[bytes, tuple[list[int], list]] = {}
+            for rid, f in zip(ids, frames):  # noqa: B905
+                r = b.reqs.pop(rid, None)
+                if r is None:
+                    continue
+                e = by.get(r.ident)
+                if e is None:
+                    e = by[r.ident] = ([], [])
+                e[0].append(r.cid)
+                e[1].append(f)
+            for ident, (cids, fs) in by.items():
+                send_parts(self.client, [ident, wire.reply(cids, Status.OK, "", meta), *fs])
+                st.ok += len(cids)
+        if failed:
+            for i in range(0, len(failed) - 1, 2):
+                r = b.reqs.pop(failed[i], None)
+                if r is None:
+                    continue
+                text = str(failed[i + 1])
+                code = text.split(":", 1)[0]
+                status = Status.REJECTED if code == wire.BAD_INPUT else Status.DROPPED
+                reason = wire.BAD_INPUT if status == Status.REJECTED else code
+                (st.rejected if status == Status.REJECTED else st.dropped)[reason] += 1
+                send_parts(self.client, [r.ident, wire.reply([r.cid], status, reason, text)])
+        if not b.reqs:
+            b.answered = True
+            b.done_at = now_us()
+            self._maybe_forget(b)
+
+    def on_feedback(self, ex: ExecState, entries: list[int]) -> None:
+        off = ex.offset
+        k = wire.FEEDBACK_STRIDE
+        hs: list[int] = []
+        ts: list[float] = []
+        te: list[float] = []
+        for i in range(0, len(entries) - k + 1, k):
+            v, bid, hop, ready, start, end = entries[i:i + k]
+            b = self.batches.get(bid)
+            if b is None or not 0 <= hop < len(b.path) or b.path[hop] != v or b.times[hop] is not None:
+                self.counters["stale_feedback"] += 1
+                continue
+            ready, start, end = ready - off, start - off, end - off
+            b.times[hop] = (ready, start, end)
+            hs.append(b.infer_h[hop])
+            ts.append(start)
+            te.append(end)
+            self.busy_us[v] += end - start
+            for h in (hop, hop + 1):  # the transfer into a hop is known once both ends are
+                if 0 < h < len(b.path):
+                    self._link_report(b, h, hs, ts, te)
+            if b.answered:
+                self._maybe_forget(b)
+        if len(hs) == 1:
+            self.core.report(hs[0], float(ts[0]), float(te[0]))  # floats: one compiled signature
+        elif hs:
+            self.core.report_many(np.array(hs, dtype=np.int64), np.array(ts, dtype=np.float64),
+                                  np.array(te, dtype=np.float64))
+
+    @staticmethod
+    def _link_report(b: Batch, hop: int, hs: list[int], ts: list[float], te: list[float]) -> None:
+        """The transfer into ``hop`` really ran from the previous hop's end to this hop's input arrival."""
+        lh = b.link_h[hop]
+        prev, cur = b.times[hop - 1], b.times[hop]
+        if lh is None or prev is None or cur is None:
+            return
+        a = prev[2]
+        e = max(cur[0], prev[2] + 1)
+        for h in lh:
+            if h >= 0:
+                hs.append(h)
+                ts.append(a)
+                te.append(e)
+        b.link_h[hop] = None
+
+    def _maybe_forget(self, b: Batch) -> None:
+        if all(t is not None for t in b.times):
+            self.batches.pop(b.id, None)
+
+    # --- housekeeping -------------------------------------------------------------------------
+
+    def housekeeping(self) -> None:
+        """Every heartbeat interval: silent executors, overdue batches, table GC."""
+        if self.stopping:
+            return
+        # heartbeats that queued while this loop was busy count: read them before judging silence
+        self.exe_reader.drain_now()
+        t = now_us()
+        timeout = self.cfg.heartbeat_timeout_ms * 1000
+        for ex in list(self.execs.values()):
+            if t - ex.last_seen > timeout:
+                self.remove_executor(ex, "silent")
+            elif not self._send_exec(ex.ident, wire.ALIVE_HEADER):
+                self.remove_executor(ex, "disconnected")  # its connection closed: it died
+        grace = self.cfg.result_grace_ms * 1000
+        for b in list(self.batches.values()):
+            if not b.answered:
+                if t > b.finish + grace:
+                    log.warning("batch-overdue", batch=b.id, path=b.path, late_ms=round((t - b.finish) / 1000, 1))
+                    self.lose_batch(b, "overdue")
+            elif t - b.done_at > DONE_BATCH_KEEP_US:
+                self.batches.pop(b.id, None)
+        self.core.gc(float(t - 1000))
+        if self._dirty_decide:
+            self.decide(t)
+        self._kick()
+        self.timers.call_at(t + self.cfg.heartbeat_interval_ms * 1000, self.housekeeping)
+
+    # --- ctl ----------------------------------------------------------------------------------
+
+    def on_ctl(self, msg: list) -> None:
+        ident = msg[0].bytes
+        delim = len(msg) > 2 and len(msg[1]) == 0
+        body = msg[2] if delim else (msg[1] if len(msg) > 1 else b"")
+        try:
+            req = json.loads(bytes(body.buffer) or b"{}")
+            cmd = req.get("cmd", "status") if isinstance(req, dict) else None
+            if cmd == "status":
+                out = self.status()
+            elif cmd == "reset-overhead":
+                self.n_overhead = self.n_wake = 0
+                out = {"ok": True}
+            elif cmd == "stop":
+                self.loop.call_soon(self.stop)
+                out = {"ok": True}
+            else:
+                out = {"error": f"unknown command {cmd!r} (status, reset-overhead, stop)"}
+        except (ValueError, AttributeError) as e:
+            out = {"error": f"bad request: {e}"}
+        frames = [ident, b""] if delim else [ident]
+        self.ctl.send_multipart([*frames, json.dumps(out).encode()])
+        self.ctl_reader.kick()
+
+    def _totals(self) -> dict[str, int]:
+        return {"accepted": sum(s.accepted for s in self.stats), "ok": sum(s.ok for s in self.stats),
+                "dropped": sum(sum(s.dropped.values()) for s in self.stats),
+                "rejected": sum(sum(s.rejected.values()) for s in self.stats)}
+
+    @staticmethod
+    def _pcts(a: np.ndarray, n: int) -> dict[str, float]:
+        k = min(n, len(a))
+        if k == 0:
+            return {"n": 0}
+        a = a[:k]
+        p50, p99, p999 = np.percentile(a, [50, 99, 99.9])
+        return {"n": int(n), "p50": float(p50), "p99": float(p99), "p999": float(p999), "max": float(a.max())}
+
+    def overhead_us(self) -> dict[str, float]:
+        return self._pcts(self.overhead, self.n_overhead)
+
+    def status(self) -> dict[str, Any]:
+        lay = self.layout
+        t = now_us()
+        models = {}
+        for i, m in enumerate(self.model_names):
+            s = self.stats[i]
+            models[m] = {"slo_ms": self.slo_us[i] / 1000, "accepted": s.accepted, "ok": s.ok,
+                         "dropped": dict(s.dropped), "rejected": dict(s.rejected),
+                         "pending": self.core.pending(i), "batches": s.batches,
+                         "mean_batch": s.batch_reqs / s.batches if s.batches else 0.0}
+        classes: dict[str, dict[str, Any]] = {}
+        for v in range(self.nv):
+            g = lay.pool_gpu[int(lay.v_pool[v])]
+            c = classes.setdefault(g, {"vgpus": 0, "alive": 0, "busy_us": 0.0, "gpu_share": 0.0})
+            c["vgpus"] += 1
+            c["gpu_share"] += 1.0 / int(lay.v_split[v])
+            ex = self.vgpu_exec[v]
+            c["alive"] += int(ex is not None and ex.ready)
+            c["busy_us"] += float(self.busy_us[v])
+        return {
+            "now_us": t, "uptime_s": (t - self.started) / 1e6, "plan": self.plan.source,
+            "cpu_s": time.process_time(),
+            "policy": self.core.policy.name, "models": models, "gpu_classes": classes,
+            "executors": [{"vgpus": format_ranges(e.vgpus), "pid": e.pid, "backend": e.backend, "ready": e.ready,
+                           "endpoint": e.endpoint, "silent_ms": (t - e.last_seen) / 1000,
+                           "clock_offset_us": e.offset} for e in self.execs.values()],
+            "vgpus": {"total": self.nv, "alive": sum(c["alive"] for c in classes.values())},
+            "busy_us": self.busy_us.tolist(),
+            "in_flight_batches": sum(1 for b in self.batches.values() if not b.answered),
+            "queued": len(self.reqs), "overhead_us": self.overhead_us(),
+            "wake_late_us": self._pcts(self.wake_late, self.n_wake), "counters": dict(self.counters),
+            "core": self.core.stats(), "totals": self._totals(),
+        }
+

@@ -1,0 +1,153 @@
+"""Executor backends: how one vGPU turns a batch into outputs.
+
+* ``emulate``: no computation; the batch takes the profiled latency (a timer, so hundreds of
+  emulated vGPUs share one process) and its input frames pass through, so the last hop echoes
+  every request's own frame back — replies can be checked end to end.
+* ``ort``: ONNX Runtime on CPU, one session per vGPU run in its own thread.
+* ``trt``: TensorRT engine with pycuda buffers (``ppiped/executor/trt.py``, imported lazily).
+
+A blocking backend's :meth:`run` is called from a worker thread; the emulator's never is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..wire import Assignment
+
+if TYPE_CHECKING:  # onnx is only needed by ort and trt; emulated executors start without it
+    from .onnxio import PartitionModel
+
+ModelSource = tuple[Callable[[], Any], str]  # (loader returning an onnx.ModelProto, name for messages)
+
+Outputs = tuple[list, Any, list[tuple[int, str]]]  # frames, meta, [(input index, reason)] failed
+
+
+class Backend:
+    name = "base"
+    blocking = True
+
+    def __init__(self, a: Assignment) -> None:
+        self.a = a
+        self.first = a.partition == 0
+        self.last = a.last
+
+    def load(self) -> None:
+        """Heavy set-up (model load, engine build); runs in a worker thread before registration ends."""
+
+    def duration_us(self, bs: int) -> float:
+        """The profiled latency at batch size ``bs`` (profiles stop at some size; extrapolate linearly)."""
+        lat = self.a.lat_us
+        if bs <= len(lat):
+            return lat[bs - 1]
+        step = lat[-1] - lat[-2] if len(lat) > 1 else lat[-1]
+        return lat[-1] + step * (bs - len(lat))
+
+    def run(self, frames: list, meta: Any, n: int) -> Outputs:
+        """Run a batch of ``n`` requests: per-request frames on the first hop, else one feature map."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class EmulateBackend(Backend):
+    name = "emulate"
+    blocking = False
+
+    def run(self, frames: list, meta: Any, n: int) -> Outputs:
+        return frames, meta, []
+
+
+class _TensorBackend(Backend):
+    """Shared by ort and trt: frames ⇄ tensors around an ``infer(batch) -> outputs`` call."""
+
+    def __init__(self, a: Assignment, source: ModelSource) -> None:
+        super().__init__(a)
+        self.source = source
+        self.part: PartitionModel | None = None
+
+    def prepare(self) -> PartitionModel:
+        from .onnxio import prepare_partition
+
+        load, name = self.source
+        self.part = prepare_partition(load(), name, self.first, self.last)
+        return self.part
+
+    def infer(self, batch):  # -> list[np.ndarray]
+        raise NotImplementedError
+
+    def run(self, frames: list, meta: Any, n: int) -> Outputs:
+        from .onnxio import batch_from_frame, frames_to_batch, split_results
+
+        part = self.part
+        assert part is not None
+        failed: list[tuple[int, str]] = []
+        if self.first:
+            batch, kept, bad = frames_to_batch(frames, part.input)
+            failed = [(i, f"bad-input: frame of {len(getattr(frames[i], 'buffer', frames[i]))} bytes, the model "
+                       f"input {part.input.name} {list(part.input.shape)} {part.input.dtype} needs "
+                       f"{part.input.sample_bytes}") for i in bad]
+            if batch is None:
+                return [], None, failed
+        else:
+            if len(frames) != 1 or not isinstance(meta, list) or len(meta) != 1:
+                return [], None, [(i, "executor-error: malformed feature map from the previous hop")
+                                  for i in range(n)]
+            batch = batch_from_frame(frames[0], meta[0])
+            if batch.shape[0] != n:
+                return [], None, [(i, f"executor-error: feature map holds {batch.shape[0]} requests, "
+                                   f"the batch {n}") for i in range(n)]
+        outs = self.infer(batch)
+        n = batch.shape[0]
+        if self.last:
+            return split_results(outs, n), [o.meta() for o in part.outputs], failed
+        o = outs[0]
+        spec = part.outputs[0]
+        return [memoryview(o.reshape(-1).view("u1"))], [spec.meta(n)], failed
+
+
+class OrtBackend(_TensorBackend):
+    name = "ort"
+
+    def __init__(self, a: Assignment, source: ModelSource, threads: int = 1) -> None:
+        super().__init__(a, source)
+        self.threads = threads
+        self.sess = None
+
+    def load(self) -> None:
+        import onnxruntime as ort
+
+        part = self.prepare()
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.threads
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        self.sess = ort.InferenceSession(part.onnx_bytes, so, providers=["CPUExecutionProvider"])
+        self._in = part.input.name
+        self._outs = [o.name for o in part.outputs]
+
+    def infer(self, batch):
+        import numpy as np
+
+        outs = self.sess.run(self._outs, {self._in: batch})
+        return [np.ascontiguousarray(o) for o in outs]
+
+
+def make_backend(kind: str, a: Assignment, source: ModelSource | None = None, **opts: Any) -> Backend:
+    """``source``: how to get the partition's ONNX graph (ort, trt); ``opts``: threads, engine_path,
+    device, fp16, split."""
+    if kind == "emulate":
+        return EmulateBackend(a)
+    if source is None:
+        raise ValueError(f"the {kind} backend needs the partition's ONNX model")
+    if kind == "ort":
+        return OrtBackend(a, source, threads=opts.get("threads", 1))
+    if kind == "trt":
+        from .trt import TrtBackend  # TensorRT and pycuda exist only with the gpu extra
+
+        return TrtBackend(a, source, engine_path=Path(opts["engine_path"]), device=opts.get("device", 0),
+                          fp16=opts.get("fp16", True), split=opts.get("split", 0))
+    raise ValueError(f"unknown backend {kind!r}")

@@ -1,0 +1,515 @@
+"""``ppiped-executor --config ppiped.toml --vgpu ID``: runs the partitions of one or more vGPUs.
+
+Life of an executor process:
+
+1. REGISTER its vGPUs and its data endpoint with the scheduler (resent every second until a
+   WELCOME arrives, so executors may start before the scheduler).
+2. Load each vGPU's backend from the assignment in WELCOME, then start heartbeating: the first
+   heartbeat tells the scheduler the vGPUs are ready for work.
+3. Run batches in reservation order: each batch carries its reserved start per hop; a vGPU takes
+   the earliest reserved batch it holds and starts it no earlier than its reservation (minus
+   ``start_early_us``), so a batch that arrives early cannot take a slot reserved for another.
+4. Send the fp16 feature map straight to the next hop's executor (in-process when it lives here)
+   or, on the last hop, the per-request results to the scheduler. Report every use's actual
+   ready/start/end times (FEEDBACK), coalesced per event-loop turn.
+
+Several vGPUs in one process (``--vgpu 0-63``) is how emulated clusters of hundreds of vGPUs run
+on one machine; a real deployment runs one process per vGPU (systemd ``ppiped-executor@ID``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import heapq
+import itertools
+import os
+import signal
+import sys
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from .. import logs, wire
+from ..daemon.config import (
+    ConfigError,
+    ServeConfig,
+    check_endpoint,
+    format_ranges,
+    load_config,
+    parse_vgpus,
+)
+from ..daemon.loop import NOBLOCK, Reader, Timers, now_us, send_parts
+from ..errors import UserError
+from ..wire import T
+from .backends import Backend, make_backend
+
+log = logs.get("ppiped.executor")
+
+REGISTER_RETRY_US = 1_000_000
+CANCELLED_MEMORY = 4096
+PEER_RETRY_US = 200_000
+
+
+class Job:
+    """One batch at one hop: its reservation, request ids, payload frames and tensor meta."""
+
+    __slots__ = ("batch", "path", "starts", "hop", "ids", "frames", "meta", "ready_us", "seq")
+
+    def __init__(self, batch: int, path: list, starts: list, hop: int, ids: list, frames: list,
+                 meta: Any, ready_us: int, seq: int) -> None:
+        self.batch, self.path, self.starts, self.hop = batch, path, starts, hop
+        self.ids, self.frames, self.meta, self.ready_us, self.seq = ids, frames, meta, ready_us, seq
+
+    def __lt__(self, other: Job) -> bool:
+        a, b = self.starts[self.hop], other.starts[other.hop]
+        return a < b or (a == b and self.seq < other.seq)
+
+
+class Worker:
+    """One vGPU: a heap of batches keyed by reserved start, at most one running."""
+
+    def __init__(self, exe: Executor, vgpu: int, backend: Backend, early_us: int) -> None:
+        self.exe, self.vgpu, self.backend, self.early = exe, vgpu, backend, early_us
+        self.heap: list[Job] = []
+        self.busy = False
+        self.timer: list | None = None
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"vgpu{vgpu}") \
+            if backend.blocking else None
+
+    def push(self, job: Job) -> None:
+        heapq.heappush(self.heap, job)
+        if not self.busy:
+            self.pump()
+
+    def cancel(self, batches: set[int]) -> None:
+        keep = [j for j in self.heap if j.batch not in batches]
+        if len(keep) != len(self.heap):
+            self.heap = keep
+            heapq.heapify(self.heap)
+
+    def pump(self) -> None:
+        if self.busy or not self.heap:
+            return
+        job = self.heap[0]
+        t = now_us()
+        at = job.starts[job.hop] - self.early
+        if at > t:
+            if self.timer is None or self.timer[0] != at:
+                if self.timer is not None:
+                    Timers.cancel(self.timer)
+                self.timer = self.exe.timers.call_at(at, self._on_timer)
+            return
+        if self.timer is not None:
+            Timers.cancel(self.timer)
+            self.timer = None
+        heapq.heappop(self.heap)
+        self.busy = True
+        if self.pool is None:
+            out = self.backend.run(job.frames, job.meta, len(job.ids))
+            end = t + int(self.backend.duration_us(len(job.ids)))
+            self.exe.timers.call_at(end, self._done, job, t, out, None)
+        else:
+            fut = self.exe.loop.run_in_executor(self.pool, self.backend.run, job.frames, job.meta,
+                                                len(job.ids))
+            fut.add_done_callback(lambda f, job=job, t=t: self._thread_done(job, t, f))
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        self.pump()
+
+    def _thread_done(self, job: Job, start: int, fut: asyncio.Future) -> None:
+        err = fut.exception()
+        if err is not None:
+            log.error("batch-failed", vgpu=self.vgpu, batch=job.batch, error=repr(err))
+            self._done(job, start, ([], None, [(i, f"executor-error: {err}") for i in range(len(job.ids))]), err)
+        else:
+            self._done(job, start, fut.result(), None)
+
+    def _done(self, job: Job, start: int, out: tuple, err: BaseException | None) -> None:
+        end = now_us()
+        self.busy = False
+        self.exe.finished(self, job, start, end, out)
+        self.pump()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.submit(self.backend.close)
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        else:
+            self.backend.close()
+
+
+class Executor:
+    def __init__(self, cfg: ServeConfig, vgpus: Sequence[int], backend: str | None = None,
+                 data_endpoint: str | None = None, scheduler: str | None = None) -> None:
+        self.cfg = cfg
+        self.vgpus = list(vgpus)
+        self.backend_override = backend
+        first = cfg.executor_settings(self.vgpus[0])
+        self.data_endpoint = data_endpoint or first.endpoint_for(self.vgpus[0])
+        self.scheduler = scheduler or cfg.executor
+        self.incarnation = int.from_bytes(os.urandom(4), "little")
+        self.workers: dict[int, Worker] = {}
+        self.directory: dict[int, str] = {}
+        self.push_socks: dict[str, zmq.Socket] = {}
+        self.cancelled: set[int] = set()
+        self.cancelled_order: deque[int] = deque()
+        self.seq = itertools.count()
+        self.fb: list[int] = []
+        self.fb_scheduled = False
+        self.registered = False
+        self.loading = False
+        self.assign_key: Any = None
+        self.hb_ms = cfg.heartbeat_interval_ms
+        self.hb_gen = 0
+        self.exit_code = 0
+        self.counters = {"batches": 0, "requests": 0, "forwarded": 0, "dropped_no_peer": 0}
+
+    # --- life cycle ---------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        self.loop = asyncio.get_running_loop()
+        self.stopped = self.loop.create_future()
+        self.zctx = zmq.Context()
+        self.ctl = self.zctx.socket(zmq.DEALER)
+        self.ctl.setsockopt(zmq.LINGER, 0)
+        self.ctl.setsockopt(zmq.SNDHWM, 100_000)
+        self.ctl.setsockopt(zmq.IDENTITY, f"x{self.vgpus[0]}-{os.getpid()}-{self.incarnation}".encode())
+        self.ctl.connect(self.scheduler)
+        self.data = self.zctx.socket(zmq.PULL)
+        self.data.setsockopt(zmq.LINGER, 0)
+        self.data.setsockopt(zmq.RCVHWM, 100_000)
+        try:
+            self.data.bind(self.data_endpoint)
+        except zmq.ZMQError as e:
+            log.error("bind-failed", endpoint=self.data_endpoint, error=str(e))
+            self.zctx.destroy(0)
+            return 2
+        self.timers = Timers(self.loop)
+        self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
+        self.data_reader = Reader(self.loop, self.data, self.on_data)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                self.loop.add_signal_handler(sig, self.stop, 0)
+        log.info("start", vgpus=format_ranges(self.vgpus), data=self.data_endpoint, scheduler=self.scheduler,
+                 pid=os.getpid())
+        self.register()
+        code = await self.stopped
+        await self.shutdown()
+        return code
+
+    def stop(self, code: int = 0) -> None:
+        if not self.stopped.done():
+            self.stopped.set_result(code)
+
+    async def shutdown(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.ctl.send(wire.bye(self.vgpus), zmq.NOBLOCK)
+        self.ctl_reader.close()
+        self.data_reader.close()
+        self.timers.close()
+        for w in self.workers.values():
+            w.close()
+        await asyncio.sleep(0.05)  # let BYE leave
+        self.zctx.destroy(0)
+        log.info("stop", vgpus=format_ranges(self.vgpus), **self.counters)
+
+    def register(self) -> None:
+        if self.registered or self.stopped.done():
+            return
+        backend = self.backend_override or self.cfg.executor_settings(self.vgpus[0]).backend
+        self.ctl.send(wire.register(self.vgpus, self.data_endpoint, backend, os.getpid(), now_us(),
+                                    self.incarnation), zmq.NOBLOCK)
+        self.ctl_reader.kick()
+        self.timers.call_at(now_us() + REGISTER_RETRY_US, self._register_retry)
+
+    def _register_retry(self) -> None:
+        if not self.registered and not self.loading:
+            log.info("waiting-for-scheduler", endpoint=self.scheduler)
+            self.register()
+
+    # --- control messages ---------------------------------------------------------------------
+
+    def on_ctl(self, msg: list) -> None:
+        try:
+            h = wire.decode(msg[0])
+            t = h[1]
+            if t == T.DISPATCH:
+                _, _, batch, path, starts, ids = h
+                wire.expect_frames(h, len(msg) - 1, len(ids))
+                self.accept(Job(batch, path, starts, 0, ids, msg[1:], None, now_us(), next(self.seq)))
+            elif t == T.CANCEL:
+                self.on_cancel(h[2])
+            elif t == T.PEERS:
+                flat = h[2]
+                self.directory = {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
+                for v in self.directory:  # connect now: a first send must not wait for a handshake
+                    if v not in self.workers and v not in self.vgpus:
+                        self._push_sock(v)
+            elif t == T.WELCOME:
+                self.on_welcome(h[2], h[3])
+            elif t == T.ERROR:
+                self.on_error(h[2], h[3])
+            elif t == T.ALIVE:
+                pass
+            else:
+                log.warning("unexpected-message", type=T(t).name)
+        except wire.ProtocolError as e:
+            log.warning("bad-message", source="scheduler", code=e.code, error=str(e))
+
+    def on_error(self, code: str, message: str) -> None:
+        if code == wire.UNREGISTERED:
+            if self.registered:
+                log.warning("re-register", reason=message)
+                for w in self.workers.values():  # the scheduler gave those batches up with us
+                    w.heap.clear()
+            self.registered = False
+            self.register()
+        elif code == wire.VGPU_TAKEN:
+            log.warning("vgpu-taken", error=message)  # the register retry timer tries again
+        else:
+            log.error("scheduler-refused", code=code, error=message)
+            self.stop(2)
+
+    def on_welcome(self, raw: list, hb_ms: int) -> None:
+        assignments = [wire.Assignment.from_wire(x) for x in raw]
+        self.hb_ms = hb_ms or self.hb_ms
+        key = [a.to_wire() for a in assignments]
+        if key == self.assign_key and self.workers:
+            self.ready()
+            return
+        if self.loading:
+            return
+        self.loading = True
+        self.loop.create_task(self._load(assignments, key))
+
+    async def _load(self, assignments: list[wire.Assignment], key: Any) -> None:
+        old, self.workers = self.workers, {}
+        for w in old.values():
+            w.close()
+        try:
+            workers = {}
+            for a in assignments:
+                s = self.cfg.executor_settings(a.vgpu)
+                kind = self.backend_override or s.backend
+                fields = dict(model=a.model, pipeline=a.pipeline, partition=a.partition, start=a.start,
+                              end=a.end, gpu=a.gpu, vgpu=a.vgpu)
+                source = engine = None
+                if kind != "emulate":
+                    source, engine = self._model_source(s, a, fields)
+                be = make_backend(kind, a, source, threads=s.threads, engine_path=engine,
+                                  device=s.device, fp16=s.fp16_engine, split=s.split)
+                w = Worker(self, a.vgpu, be, s.start_early_us)
+                if w.pool is not None:
+                    await self.loop.run_in_executor(w.pool, be.load)
+                else:
+                    be.load()
+                workers[a.vgpu] = w
+                log.info("loaded", vgpu=a.vgpu, backend=kind, model=a.model, pipeline=a.pipeline,
+                         partition=a.partition, blocks=f"{a.start}-{a.end}", gpu=a.gpu, split=a.split,
+                         source=source[1] if source else "-")
+        except (UserError, ValueError, OSError, RuntimeError) as e:
+            log.error("load-failed", error=str(e))
+            self.loading = False
+            self.stop(2)
+            return
+        self.workers = workers
+        self.assign_key = key
+        self.loading = False
+        self.ready()
+
+    def _model_source(self, s: Any, a: wire.Assignment, fields: dict) -> tuple[tuple, Path]:
+        """The partition graph: the ``executor.partitions`` file, else cut from the profiled model
+        (``ppiped profile`` records the model file and its block cuts in the profile)."""
+        from .onnxio import load_model_file
+
+        if s.partitions:
+            path = self.cfg.partition_file(s, **fields)
+            return (lambda: load_model_file(path), str(path)), self.cfg.engine_file(s, path, **fields)
+        if self.cfg.profiles is None:
+            raise ConfigError(f"{self.cfg.source}: executor.partitions or profiles is needed by the "
+                              f"{s.backend} backend")
+        prof = self.cfg.profiles / f"{a.model}.json"
+
+        def load():
+            from ..profiler.export import partition_from_profile
+
+            return partition_from_profile(str(prof), a.start, a.end)
+
+        cache = Path(os.environ.get("CACHE_DIRECTORY") or self.cfg.profiles / "engines")
+        engine = (self.cfg.engine_file(s, prof, **fields) if s.engines
+                  else cache / f"{a.model}_{a.start}-{a.end}.{a.gpu}.engine")
+        return (load, f"{prof}[{a.start}:{a.end}]"), engine
+
+    def ready(self) -> None:
+        first = not self.registered
+        self.registered = True
+        if first:
+            log.info("ready", vgpus=format_ranges(list(self.workers)))
+            self.hb_gen += 1
+            self.heartbeat(self.hb_gen)
+
+    def heartbeat(self, gen: int) -> None:
+        if self.stopped.done() or not self.registered or gen != self.hb_gen:
+            return
+        queued = sum(len(w.heap) + w.busy for w in self.workers.values())
+        with contextlib.suppress(zmq.Again):
+            self.ctl.send(wire.heartbeat(now_us(), queued), zmq.NOBLOCK)
+        self.ctl_reader.kick()
+        self.timers.call_at(now_us() + self.hb_ms * 1000, self.heartbeat, gen)
+
+    def on_cancel(self, batches: list[int]) -> None:
+        s = set(batches)
+        for b in batches:
+            if b not in self.cancelled:
+                self.cancelled.add(b)
+                self.cancelled_order.append(b)
+        while len(self.cancelled_order) > CANCELLED_MEMORY:
+            self.cancelled.discard(self.cancelled_order.popleft())
+        for w in self.workers.values():
+            w.cancel(s)
+
+    # --- data path ----------------------------------------------------------------------------
+
+    def on_data(self, msg: list) -> None:
+        try:
+            h = wire.decode(msg[0])
+            if h[1] != T.FORWARD:
+                raise wire.ProtocolError(wire.MALFORMED, f"unexpected {T(h[1]).name} on the data socket")
+            _, _, batch, path, starts, hop, ids, meta = h
+            self.accept(Job(batch, path, starts, hop, ids, msg[1:], meta, now_us(), next(self.seq)))
+        except wire.ProtocolError as e:
+            log.warning("bad-message", source="peer", code=e.code, error=str(e))
+
+    def accept(self, job: Job) -> None:
+        if job.batch in self.cancelled:
+            return
+        if not (0 <= job.hop < len(job.path)) or len(job.starts) != len(job.path):
+            log.warning("bad-job", batch=job.batch, hop=job.hop, path=job.path)
+            return
+        w = self.workers.get(job.path[job.hop])
+        if w is None:
+            log.warning("not-my-vgpu", batch=job.batch, vgpu=job.path[job.hop])
+            return
+        w.push(job)
+
+    def finished(self, w: Worker, job: Job, start: int, end: int, out: tuple) -> None:
+        frames, meta, failed = out
+        self.counters["batches"] += 1
+        self.counters["requests"] += len(job.ids)
+        self.fb += (w.vgpu, job.batch, job.hop, job.ready_us, start, end)
+        self._schedule_fb()
+        if job.batch in self.cancelled:
+            return
+        ids = job.ids
+        bad: list = []
+        if failed:
+            gone = {i for i, _ in failed}
+            for i, reason in failed:
+                bad += (ids[i], reason)
+            ids = [x for i, x in enumerate(ids) if i not in gone]
+        last = job.hop == len(job.path) - 1
+        if last or bad:
+            res_ids = ids if last else []
+            fb, self.fb = self.fb, []  # feedback rides along instead of a message of its own
+            send_parts(self.ctl, [wire.result(job.batch, res_ids, meta if last else None, bad, fb),
+                                  *(frames if last else ())])
+            self.ctl_reader.kick()
+        if last or not ids:
+            return
+        nxt = job.path[job.hop + 1]
+        local = self.workers.get(nxt)
+        if local is not None:
+            local.push(Job(job.batch, job.path, job.starts, job.hop + 1, ids, frames, meta, now_us(),
+                           next(self.seq)))
+            return
+        msg = [wire.forward(job.batch, job.path, job.starts, job.hop + 1, ids, meta), *frames]
+        self._send_peer(nxt, job.batch, msg, now_us() + PEER_RETRY_US)
+
+    def _send_peer(self, vgpu: int, batch: int, msg: list, give_up_us: int) -> None:
+        """Send to the next hop; while its connection is not up, retry briefly, then give up
+        (the scheduler notices the missing result and re-dispatches or drops the requests)."""
+        if batch in self.cancelled or self.stopped.done():
+            return
+        sock = self._push_sock(vgpu)
+        if sock is not None:
+            try:
+                send_parts(sock, msg, NOBLOCK)
+                self.counters["forwarded"] += 1
+                return
+            except zmq.Again:
+                pass
+        t = now_us()
+        if t < give_up_us:
+            self.timers.call_at(t + 1000, self._send_peer, vgpu, batch, msg, give_up_us)
+            return
+        self.counters["dropped_no_peer"] += 1
+        log.warning("peer-unreachable", vgpu=vgpu, batch=batch, endpoint=self.directory.get(vgpu, "-"))
+
+    def _push_sock(self, vgpu: int) -> zmq.Socket | None:
+        ep = self.directory.get(vgpu)
+        if ep is None:
+            return None
+        s = self.push_socks.get(ep)
+        if s is None:
+            s = self.zctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IMMEDIATE, 1)  # fail fast instead of queueing for a dead peer
+            s.setsockopt(zmq.SNDHWM, 10_000)
+            s.connect(ep)
+            self.push_socks[ep] = s
+        return s
+
+    def _schedule_fb(self) -> None:
+        if not self.fb_scheduled:
+            self.fb_scheduled = True
+            self.loop.call_soon(self._flush_fb)
+
+    def _flush_fb(self) -> None:
+        self.fb_scheduled = False
+        if self.fb:
+            entries, self.fb = self.fb, []
+            with contextlib.suppress(zmq.Again):
+                self.ctl.send(wire.feedback(entries), zmq.NOBLOCK)
+            self.ctl_reader.kick()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ppiped-executor",
+                                 description="Run the partitions of one or more vGPUs for a ppiped scheduler.")
+    ap.add_argument("--config", required=True, help="serving config (TOML), as given to ppiped serve")
+    ap.add_argument("--vgpu", action="append", required=True, metavar="ID",
+                    help="vGPU id(s) to run: 3, 0-7 or 0,2,5 (repeatable)")
+    ap.add_argument("--backend", choices=("emulate", "ort", "trt"), help="override the config's backend")
+    ap.add_argument("--data-endpoint", help="endpoint to bind for feature maps (default from the config)")
+    ap.add_argument("--scheduler", help="scheduler executor endpoint (default: endpoints.executor)")
+    ap.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+    logs.setup(args.log_level)
+    try:
+        cfg = load_config(args.config)
+        vgpus = parse_vgpus(args.vgpu)
+        if args.data_endpoint:
+            check_endpoint(args.data_endpoint, "--data-endpoint", "flags", cfg.allow_remote)
+        if args.scheduler:
+            check_endpoint(args.scheduler, "--scheduler", "flags", cfg.allow_remote)
+        exe = Executor(cfg, vgpus, args.backend, args.data_endpoint, args.scheduler)
+    except UserError as e:
+        print(f"ppiped-executor: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        return uvloop.run(exe.run())
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

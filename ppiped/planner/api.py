@@ -1,0 +1,234 @@
+"""``plan_cluster``: from profiles, a cluster and a load mix to a checked ``ppiped-plan/1`` plan.
+
+Three algorithms share the enumeration and the MILP and differ only in the configurations they
+offer it (DESIGN.md, "Control plane"):
+
+- ``ppipe``: up to ``max_partitions`` partitions per pipeline, any allowed vGPU split;
+- ``np``: one partition, whole GPUs;
+- ``dart-r``: chained pipelines are one partition on each of two GPU types with one whole GPU
+  of each per replica (a low+high pair, replicated), beside whole-model pipelines on whole GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+
+from ..cluster import Cluster
+from ..errors import InputError
+from ..plan import ModelPlan, Partition, Pipeline, Plan, PlanParams, model_slo_us
+from ..profiles import Profile
+from .configs import PipelineConfig, enumerate_configs, latency_budget_us, prune_dominated
+from .milp import Allocation, NoSolution, SolveInfo, solve_allocation
+
+log = logging.getLogger(__name__)
+
+ALGOS = ("ppipe", "np", "dart-r")
+
+# NP plans that derive their own batching-delay rates: stop when no rate moves by more than
+# this fraction, or after this many re-solves.
+_RATE_TOL = 0.01
+_RATE_ROUNDS = 4
+
+
+def plan_cluster(
+    profiles: Mapping[str, Profile],
+    models: Sequence[str],
+    weights: Sequence[float],
+    cluster: Cluster,
+    params: PlanParams | None = None,
+    algo: str = "ppipe",
+    time_limit: float = 60.0,
+    batch_delay_rates: Sequence[float] | None = None,
+    threads: int = 1,
+    slos_us: Sequence[float] | None = None,
+) -> Plan:
+    """Plan ``models`` (load ``weights``) on ``cluster`` with ``algo`` in about ``time_limit`` s.
+
+    ``batch_delay_rates`` is λ (requests/s) of each model's initial-batching-delay estimate;
+    by default it is the model's throughput in the NP plan of the same cluster and weights,
+    which is planned first. ``slos_us`` overrides ``params``' SLO rule (scale × reference GPU
+    latency). Raises :class:`InputError` for inputs no plan can satisfy.
+    """
+    t0 = time.perf_counter()
+    params = params or PlanParams()
+    req = _validate(profiles, models, weights, cluster, params, algo, time_limit, batch_delay_rates,
+                    slos_us)
+    slo = req["slo"]
+    for m in models:  # fail fast, naming the algorithm asked for, if even bs 1 misses the SLO
+        if not algo_configs(profiles[m], cluster, params, algo, slo[m], None, max_batch=1):
+            raise InputError(_no_config_message(profiles[m], cluster, params, algo, slo[m]))
+    rates: dict[str, float]
+    if batch_delay_rates is not None:
+        rates = dict(zip(models, (float(r) for r in batch_delay_rates), strict=True))
+    else:
+        try:
+            rates = _np_rates(profiles, models, req["weights"], cluster, params, slo, t0 + time_limit,
+                              threads)
+        except InputError as e:
+            raise InputError(f"{e} (the NP plan sets each model's batching-delay rate; give the "
+                             "rates explicitly to plan without it)") from None
+    deadline = t0 + time_limit
+    plan = _plan_once(profiles, models, req["weights"], cluster, params, algo, slo, rates,
+                      max(0.5, deadline - time.perf_counter()), threads)
+    plan.solver["plan_s"] = time.perf_counter() - t0
+    return plan
+
+
+def _validate(profiles, models, weights, cluster, params, algo, time_limit, rates, slos_us) -> dict:
+    if algo not in ALGOS:
+        raise InputError(f"unknown algorithm {algo!r} (choose from {', '.join(ALGOS)})")
+    if not models:
+        raise InputError("no models to plan")
+    if len(set(models)) != len(models):
+        raise InputError(f"a model is listed twice: {', '.join(models)}")
+    if len(weights) != len(models):
+        raise InputError(f"{len(models)} models but {len(weights)} weights")
+    if any(not (w > 0 and math.isfinite(w)) for w in weights):
+        raise InputError(f"weights must be positive numbers, got {list(weights)}")
+    if rates is not None and len(rates) != len(models):
+        raise InputError(f"{len(models)} models but {len(rates)} batch-delay rates")
+    if rates is not None and any(not (r > 0 and math.isfinite(r)) for r in rates):
+        raise InputError(f"batch-delay rates must be positive requests/s, got {list(rates)}")
+    if slos_us is not None and len(slos_us) != len(models):
+        raise InputError(f"{len(models)} models but {len(slos_us)} SLOs")
+    if params.max_partitions < 1:
+        raise InputError(f"max partitions must be at least 1, got {params.max_partitions}")
+    if not 0 <= params.slo_margin < 1:
+        raise InputError(f"SLO margin is a fraction of the SLO in [0, 1), got {params.slo_margin}")
+    if not time_limit > 0:
+        raise InputError(f"time limit must be positive, got {time_limit}")
+    if sum(g.count for g in cluster.gpus.values()) == 0:
+        raise InputError("the cluster has no GPUs")
+    missing = [m for m in models if m not in profiles]
+    if missing:
+        raise InputError(f"no profile for model(s) {', '.join(missing)} "
+                         f"(profiles: {', '.join(sorted(profiles)) or 'none'})")
+    for g in cluster.gpus:
+        if cluster.gpus[g].count > 0 and not any(g in profiles[m].latency for m in models):
+            known = sorted({k for m in models for k in profiles[m].latency})
+            raise InputError(f"unknown GPU type {g!r}: no model is profiled on it "
+                             f"(profiled: {', '.join(known)})")
+    slo = {}
+    for i, m in enumerate(models):
+        s = float(slos_us[i]) if slos_us is not None else model_slo_us(profiles[m], params)
+        if s is None:
+            raise InputError(f"no SLO for {m}: give SLOs explicitly or a scale and a reference GPU "
+                             f"the profile has (it has {', '.join(profiles[m].whole_model_latency_us)})")
+        if not s > 0:
+            raise InputError(f"SLO of {m} must be positive, got {s}")
+        slo[m] = s
+    return {"slo": slo, "weights": dict(zip(models, (float(w) for w in weights), strict=True))}
+
+
+def _np_rates(profiles, models, weights, cluster, params, slo, deadline, threads) -> dict[str, float]:
+    """λ for the batching-delay estimate: each model's throughput in the NP plan.
+
+    The NP plan needs λ itself, so it is solved first without the delay estimate and then
+    again with its own throughputs until they settle (a few rounds at most).
+    """
+    rates: dict[str, float | None] = dict.fromkeys(models)
+    for rnd in range(_RATE_ROUNDS + 1):
+        p = _plan_once(profiles, models, weights, cluster, params, "np", slo, rates,
+                       max(0.5, (deadline - time.perf_counter()) / 4), threads)
+        new = {m.model: m.throughput_rps for m in p.models}
+        settled = all(r is not None and abs(new[m] - r) <= _RATE_TOL * r for m, r in rates.items())
+        log.info("NP rates round %d: %s", rnd, ", ".join(f"{m} {x:.1f}" for m, x in new.items()))
+        rates = dict(new)
+        if settled:
+            break
+    return {m: float(r) for m, r in rates.items()}  # type: ignore[arg-type]
+
+
+def algo_configs(profile: Profile, cluster: Cluster, params: PlanParams, algo: str, slo_us: float,
+                 rate_rps: float | None, max_batch: int | None = None) -> list[PipelineConfig]:
+    """The configurations ``algo`` offers the MILP for one model, after pruning."""
+    whole = {g: (1,) for g in cluster.gpus}
+    if algo == "np":
+        return prune_dominated(enumerate_configs(profile, cluster, params, slo_us, rate_rps, 1, whole,
+                                                 max_batch))
+    if algo == "dart-r":
+        return _dart_configs(profile, cluster, params, slo_us, rate_rps, max_batch)
+    return prune_dominated(enumerate_configs(profile, cluster, params, slo_us, rate_rps,
+                                             params.max_partitions, None, max_batch))
+
+
+def _dart_configs(profile, cluster, params, slo_us, rate_rps, max_batch=None) -> list[PipelineConfig]:
+    """DART-r: the best whole-model pipeline per GPU type, and the best low+high pair per pair
+    of types (whole GPUs, one of each per replica, so one count serves both partitions).
+
+    Within a pair every replica uses one GPU of each type whatever the order and cut, so only
+    the pair's best per-replica throughput matters; likewise for whole-model pipelines.
+    """
+    whole = {g: (1,) for g in cluster.gpus}
+    best: dict[tuple[str, ...], PipelineConfig] = {}
+    rate: dict[tuple[str, ...], float] = {}
+    parts = min(2, params.max_partitions)
+    for c in enumerate_configs(profile, cluster, params, slo_us, rate_rps, parts, whole, max_batch):
+        types = c.gpus
+        if len(types) == 2 and types[0] == types[1]:
+            continue
+        key = tuple(sorted(types))
+        x = min(s.rps_per_vgpu for s in c.segments)
+        if x > rate.get(key, 0.0):
+            best[key], rate[key] = c, x
+    out = []
+    for key, c in sorted(best.items()):
+        out.append(PipelineConfig(c.model, c.batch_size, c.segments, c.latency_us, tied=len(key) == 2))
+    return out
+
+
+def _plan_once(profiles, models, weights, cluster, params, algo, slo, rates, time_limit, threads) -> Plan:
+    configs = {}
+    for m in models:
+        cs = algo_configs(profiles[m], cluster, params, algo, slo[m], rates[m])
+        if not cs:
+            raise InputError(_no_config_message(profiles[m], cluster, params, algo, slo[m]))
+        configs[m] = cs
+    try:
+        allocs, info = solve_allocation(configs, weights, cluster, time_limit, threads)
+    except NoSolution as e:
+        if e.proven:
+            raise InputError("the cluster is too small to serve every model at once") from None
+        raise InputError(f"no plan serves every model on this cluster within {time_limit:.0f} s: "
+                         f"{e}") from None
+    plan = build_plan(allocs, info, models, weights, cluster, params, algo, slo, rates)
+    if plan.normalized_throughput <= 0:
+        starved = [m.model for m in plan.models if m.throughput_rps <= 0]
+        raise InputError(f"the cluster is too small to serve every model at once "
+                         f"(no GPUs left for {', '.join(starved)})")
+    return plan
+
+
+def _no_config_message(profile, cluster, params, algo, slo_us) -> str:
+    budget = latency_budget_us(slo_us, params)
+    fastest = min((profile.partition_latency_us(g, 1, 0, profile.num_blocks, 1)
+                   for g in cluster.gpus if g in profile.latency and 1 in profile.latency[g]),
+                  default=math.inf)
+    return (f"{profile.model}: no {algo} pipeline meets the SLO of {slo_us / 1e3:.1f} ms: after the "
+            f"{params.slo_margin:.0%} margin {budget / 1e3:.1f} ms remain, and the fastest whole GPU "
+            f"in this cluster takes {fastest / 1e3:.1f} ms at batch size 1")
+
+
+def build_plan(allocs: list[Allocation], info: SolveInfo, models, weights, cluster, params, algo,
+               slo, rates) -> Plan:
+    """Turn the solver's allocation into a plan; every figure is recomputed from the configs."""
+    by_model: dict[str, list[Pipeline]] = {m: [] for m in models}
+    for a in allocs:
+        c = a.config
+        parts = [Partition((s.start, s.end), s.gpu, s.split, n, s.lat_infer_us, s.lat_trans_us,
+                           n * s.rps_per_vgpu, c.batch_size)
+                 for s, n in zip(c.segments, a.vgpus, strict=True)]
+        by_model[c.model].append(Pipeline(c.batch_size, min(q.throughput_rps for q in parts),
+                                          c.latency_us, parts))
+    mplans = []
+    for m in models:
+        pipes = sorted(by_model[m], key=lambda p: -p.throughput_rps)
+        mplans.append(ModelPlan(m, slo[m], weights[m], sum(p.throughput_rps for p in pipes), pipes,
+                                float(rates[m]) if rates[m] is not None else 0.0))
+    obj = min(mp.throughput_rps / mp.weight for mp in mplans)
+    solver = info.to_json()
+    solver["objective"] = obj
+    return Plan(cluster, params, mplans, obj, algo, solver)

@@ -1,0 +1,187 @@
+"""Candidate pipeline configurations of one model, enumerated before the MILP is built.
+
+A configuration fixes everything about a pipeline except how many vGPUs each of its pools gets:
+the cut points, the (GPU type, vGPU split) of every partition, and the batch size. Enumerating
+them up front keeps the MILP small and linear (it only picks integer pool sizes), and lets us
+drop, before the solver ever sees them, every configuration that misses the SLO or that another
+configuration beats on every pool at no loss of granularity.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cluster import Cluster
+from ..plan import PlanParams, batch_delay_us, per_vgpu_throughput_rps, slo_margin_us
+from ..profiles import Profile
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One partition of a configuration: blocks [start, end) on ``gpu`` at split 1/``split``."""
+
+    start: int
+    end: int
+    gpu: str
+    split: int
+    lat_infer_us: float
+    lat_trans_us: float
+    rps_per_vgpu: float
+
+    @property
+    def rps_per_gpu(self) -> float:
+        """Throughput per physical GPU, the figure dominance compares."""
+        return self.rps_per_vgpu * self.split
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """A pipeline shape the MILP may instantiate with any number of vGPUs per partition."""
+
+    model: str
+    batch_size: int
+    segments: tuple[Segment, ...]
+    latency_us: float  # inference + transfers + estimated batching delay
+    tied: bool = False  # DART-r: every partition gets the same number of (whole) GPUs
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        return tuple(s.gpu for s in self.segments)
+
+
+def latency_budget_us(slo_us: float, params: PlanParams) -> float:
+    """What inference, transfers and batching may take: the SLO less its margin."""
+    return slo_us - slo_margin_us(slo_us, params.slo_margin)
+
+
+# A configuration is kept when it fits the budget up to this many µs of float noise.
+_LAT_EPS_US = 1e-6
+
+
+def _segment_options(
+    profile: Profile, cluster: Cluster, splits: dict[str, tuple[int, ...]]
+) -> list[tuple[str, int, int]]:
+    """(gpu, split, max batch) for every pool kind the cluster allows and the profile covers."""
+    out = []
+    for g, gt in cluster.gpus.items():
+        if gt.count <= 0 or g not in profile.latency:
+            continue
+        for v in splits.get(g, gt.splits):
+            mb = profile.max_batch(g, v)
+            if mb > 0:
+                out.append((g, v, mb))
+    return out
+
+
+def enumerate_configs(
+    profile: Profile,
+    cluster: Cluster,
+    params: PlanParams,
+    slo_us: float,
+    rate_rps: float | None,
+    max_partitions: int,
+    splits: dict[str, tuple[int, ...]] | None = None,
+    max_batch: int | None = None,
+) -> list[PipelineConfig]:
+    """Every configuration of ``profile`` that meets the SLO, before any dominance pruning.
+
+    ``rate_rps`` is λ of the batching-delay estimate (None: no delay, as when bootstrapping NP).
+    ``splits`` restricts the vGPU splits per GPU type (default: what the cluster allows).
+    """
+    splits = splits or {}
+    opts = _segment_options(profile, cluster, splits)
+    budget = latency_budget_us(slo_us, params) + _LAT_EPS_US
+    nb = profile.num_blocks
+    top_bs = max((mb for _, _, mb in opts), default=0)
+    if max_batch is not None:
+        top_bs = min(top_bs, max_batch)
+    out: list[PipelineConfig] = []
+    seg_cache: dict[tuple[int, int, int, int], Segment] = {}
+
+    def seg(oi: int, a: int, b: int, bs: int) -> Segment:
+        key = (oi, a, b, bs)
+        s = seg_cache.get(key)
+        if s is None:
+            g, v, _ = opts[oi]
+            s = Segment(a, b, g, v, profile.partition_latency_us(g, v, a, b, bs),
+                        profile.transfer_us(b, bs, cluster.nic_gbps),
+                        per_vgpu_throughput_rps(profile, cluster, g, v, a, b, bs))
+            seg_cache[key] = s
+        return s
+
+    for bs in range(1, top_bs + 1):
+        if rate_rps is None:
+            delay = 0.0
+        elif bs > 1 and rate_rps <= 0:
+            continue  # no arrivals: a batch of two never forms
+        else:
+            delay = batch_delay_us(bs, rate_rps, params.batch_delay_factor)
+        room = budget - delay
+        if room <= 0:
+            continue
+        usable = [oi for oi, (_, _, mb) in enumerate(opts) if mb >= bs]
+        if not usable:
+            continue
+        # Fastest way to run blocks [a, nb) at this bs on one pool: a lower bound for pruning.
+        fastest_tail = np.array([min(profile.partition_latency_us(opts[oi][0], opts[oi][1], a, nb, bs)
+                                     for oi in usable) for a in range(nb)] + [0.0])
+        for parts in range(1, max_partitions + 1):
+            for cuts in itertools.combinations(range(1, nb), parts - 1):
+                bounds = (0, *cuts, nb)
+                _chains(seg, usable, bounds, bs, room, fastest_tail, profile.model, delay, out)
+    return out
+
+
+def _chains(seg, usable, bounds, bs, room, fastest_tail, model, delay, out) -> None:
+    """Depth-first over pool kinds per partition, cutting branches that cannot meet ``room``."""
+    parts = len(bounds) - 1
+    stack: list[Segment] = []
+
+    def go(d: int, used: float) -> None:
+        if d == parts:
+            out.append(PipelineConfig(model, bs, tuple(stack), used + delay))
+            return
+        a, b = bounds[d], bounds[d + 1]
+        for oi in usable:
+            s = seg(oi, a, b, bs)
+            t = used + s.lat_infer_us + s.lat_trans_us
+            if t + fastest_tail[b] > room:
+                continue
+            stack.append(s)
+            go(d + 1, t)
+            stack.pop()
+
+    go(0, 0.0)
+
+
+def prune_dominated(configs: list[PipelineConfig]) -> list[PipelineConfig]:
+    """Drop configurations another one beats on every pool without coarser granularity.
+
+    ``j`` dominates ``i`` when they have the same GPU type at every partition index, each split
+    of ``i`` divides the matching split of ``j`` (so any pool of ``i`` can be rebuilt from vGPUs
+    of ``j`` on the same physical GPUs), and ``j`` gives at least as much throughput per physical
+    GPU on every partition. Any plan using ``i`` then stays feasible, with no less throughput,
+    using ``j`` instead; so the optimum survives the pruning.
+    """
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, c in enumerate(configs):
+        groups.setdefault(c.gpus, []).append(i)
+    keep: list[int] = []
+    for idx in groups.values():
+        g = np.array([[s.rps_per_gpu for s in configs[i].segments] for i in idx])
+        v = np.array([[s.split for s in configs[i].segments] for i in idx])
+        n = len(idx)
+        order = np.arange(n)
+        for a in range(n):
+            ge = np.all(g >= g[a], axis=1)
+            div = np.all(v % v[a] == 0, axis=1)
+            better = np.any(g > g[a], axis=1) | np.any(v != v[a], axis=1) | (order < a)
+            dom = ge & div & better
+            dom[a] = False
+            if not dom.any():
+                keep.append(idx[a])
+    keep.sort()
+    return [configs[i] for i in keep]

@@ -1,0 +1,470 @@
+"""The pool-allocation MILP over pre-enumerated pipeline configurations (python-mip, CBC).
+
+Variables: per configuration ``c`` a continuous throughput ``x_c`` and an integer vGPU count
+``n_cd`` per partition ``d`` (one shared count for DART-r's tied pairs); per (partition index,
+GPU type) an integer count ``G_dk`` of physical GPUs that covers the fractional use of its
+vGPUs, which is how "round each partition index up to whole GPUs" stays linear; and ``z``, the
+weighted throughput of the worst model, which is maximised. There is no big-M anywhere: every
+bound comes from the cluster's GPU counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import mip
+
+from ..cluster import Cluster
+from .bounds import knapsack_bound
+from .configs import PipelineConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Allocation:
+    """A configuration the solver chose, with its vGPU count per partition."""
+
+    config: PipelineConfig
+    vgpus: tuple[int, ...]
+
+    @property
+    def throughput_rps(self) -> float:
+        return min(n * s.rps_per_vgpu for n, s in zip(self.vgpus, self.config.segments, strict=True))
+
+
+@dataclass
+class SolveInfo:
+    """What the solver did, reported as is (status, gap and bound are CBC's own)."""
+
+    status: str
+    objective: float
+    bound: float
+    gap: float
+    solve_s: float
+    num_configs: int
+    num_vars: int
+    num_int: int
+    num_constrs: int
+    threads: int
+    time_limit_s: float
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = {
+            "solver": "cbc", "status": self.status, "objective": self.objective,
+            "bound": self.bound, "gap": self.gap, "solve_s": self.solve_s,
+            "configs": self.num_configs, "vars": self.num_vars, "int_vars": self.num_int,
+            "constrs": self.num_constrs, "threads": self.threads, "time_limit_s": self.time_limit_s,
+        }
+        d.update(self.extra)
+        return d
+
+
+class NoSolution(RuntimeError):
+    """No allocation serves every model: ``proven`` when the optimum is zero, else none was
+    found within the time limit."""
+
+    def __init__(self, message: str, proven: bool = False):
+        super().__init__(message)
+        self.proven = proven
+
+
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """Send file descriptor 1 to /dev/null while CBC runs: its LP code prints there whatever
+    the log level, which would corrupt a CLI table or the planner child's JSON reply."""
+    fd = 1
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        sys.stdout.flush()
+    saved = os.dup(fd)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(devnull)
+
+
+def gpu_budget_used(allocs: list[Allocation]) -> dict[str, int]:
+    """Physical GPUs per type under the partition-index rounding rule."""
+    use: dict[tuple[str, int], float] = defaultdict(float)
+    for a in allocs:
+        for d, (n, s) in enumerate(zip(a.vgpus, a.config.segments, strict=True)):
+            use[(s.gpu, d)] += n / s.split
+    out: dict[str, int] = defaultdict(int)
+    for (g, _), u in use.items():
+        out[g] += math.ceil(u - 1e-9)
+    return dict(out)
+
+
+def solve_allocation(
+    configs: dict[str, list[PipelineConfig]],
+    weights: dict[str, float],
+    cluster: Cluster,
+    time_limit_s: float = 60.0,
+    threads: int = 1,
+    rel_gap: float = 1e-6,
+) -> tuple[list[Allocation], SolveInfo]:
+    """Choose vGPU counts for ``configs`` that maximise min over models of throughput/weight.
+
+    Phases, each skipped once an incumbent meets the best bound: the LP relaxation (a bound
+    and GPU prices); the knapsack bound under the LP prices, with the pipelines it bought (an
+    incumbent when they fit); a small MILP restricted to the configurations the LP and the
+    knapsacks used; more price vectors for a tighter knapsack bound; and last the full MILP,
+    warm-started from the incumbent, with ``z`` capped by the bound.
+    """
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit_s
+    lp = _build(configs, weights, cluster, integer=False, z_cap=None, threads=threads)
+    with quiet_stdout():
+        lp.model.optimize()
+    if lp.model.num_solutions == 0:
+        raise NoSolution("the LP relaxation has no solution")
+    z_lp = float(lp.model.objective_value)
+    lp_prices = {g: max(0.0, float(r.pi or 0.0)) for g, r in lp.budget_rows.items()}
+    S = _Search(configs, weights, cluster, threads, rel_gap, deadline, z_lp)
+    S.keep |= {id(c) for c, x, _ in lp.xs if (x.x or 0.0) > 1e-9}
+    S.phases["lp_bound"] = z_lp
+    S.try_prices(lp_prices)
+    S.phases["knapsack_bound"] = S.bound
+    for prices in _price_variants(lp_prices, cluster):
+        if S.done() or time.perf_counter() > deadline:
+            break
+        S.try_prices(prices)
+    if not S.done():
+        # The kernel: what the LP and the knapsacks used, the most efficient configurations at
+        # the LP's prices, and every single-partition one (the small pools that fill the last
+        # fractional GPUs of a partition index are usually whole-model pipelines).
+        S.keep |= _most_efficient(configs, lp_prices, _TOP_K)
+        S.keep |= {id(c) for cs in configs.values() for c in cs if len(c.segments) == 1}
+        S.restricted(max(_RESTRICTED_S, _RESTRICTED_SHARE * (deadline - time.perf_counter())))
+    if not S.done():
+        S.kernel_search(_ranked(configs, lp_prices), t0 + _BUCKETS_UNTIL * time_limit_s)
+    status = "optimal" if S.done() else "feasible"
+    stats = (0, 0, 0)
+    if not S.done() and time.perf_counter() < deadline:
+        r = _cbc(configs, weights, cluster, S.bound,
+                 max(0.1, deadline - time.perf_counter() - _DEADLINE_MARGIN_S), threads, rel_gap, S.best)
+        stats = (r.num_vars, r.num_int, r.num_constrs)
+        S.offer(r.allocs, "full")
+        if r.status == "optimal":
+            S.bound = min(S.bound, max(S.best_z, r.bound))
+            status = "optimal"
+        elif r.status in ("feasible", "no_solution_found", "other"):
+            S.bound = min(S.bound, r.bound) if r.bound > 0 else S.bound
+        S.phases["full_status"] = r.status
+    if not S.best:
+        proven = S.phases.get("full_status") == "optimal" or S.bound <= 1e-9
+        raise NoSolution(f"no feasible allocation found in {time.perf_counter() - t0:.1f} s", proven)
+    if S.done():
+        status = "optimal"
+    solve_s = time.perf_counter() - t0
+    allocs = [Allocation(a.config, _trim(a.config, a.vgpus)) for a in S.best if min(a.vgpus) > 0]
+    info = SolveInfo(
+        status=status, objective=S.best_z, bound=max(S.bound, S.best_z), gap=_gap(S.best_z, S.bound),
+        solve_s=solve_s, num_configs=sum(len(v) for v in configs.values()), num_vars=stats[0],
+        num_int=stats[1], num_constrs=stats[2], threads=threads, time_limit_s=time_limit_s,
+        extra=S.phases,
+    )
+    log.info("planner %s: objective %.3f bound %.3f gap %.2e in %.2f s (%d configs, found by %s)",
+             info.status, info.objective, info.bound, info.gap, solve_s, info.num_configs,
+             S.phases.get("found_by"))
+    return allocs, info
+
+
+# Seconds kept back from CBC at the end for reading its answer and building the plan.
+_DEADLINE_MARGIN_S = 0.3
+# The restricted MILP gets this many seconds, or this share of what is left if more.
+_RESTRICTED_S = 2.0
+_RESTRICTED_SHARE = 0.25
+# Kernel search over the remaining configurations, a bucket at a time, until this share of the
+# time limit has passed; the full MILP gets the rest.
+_BUCKETS_UNTIL = 0.7
+_BUCKET_PER_MODEL = 6
+_BUCKET_S = 4.0
+# Configurations per model, cheapest per request/s at the LP's prices, in the restricted MILP.
+_TOP_K = 8
+
+
+def _ranked(configs, prices) -> dict[str, list[PipelineConfig]]:
+    """Each model's configurations, cheapest per request/s at ``prices`` first."""
+    return {mm: sorted(cs, key=lambda c: sum(prices.get(s.gpu, 0.0) / s.rps_per_gpu for s in c.segments))
+            for mm, cs in configs.items()}
+
+
+def _most_efficient(configs, prices, k) -> set[int]:
+    return {id(c) for cs in _ranked(configs, prices).values() for c in cs[:k]}
+
+
+class _Search:
+    """Incumbent, bound and the configurations worth a restricted MILP."""
+
+    def __init__(self, configs, weights, cluster, threads, rel_gap, deadline, z_lp):
+        self.configs, self.weights, self.cluster = configs, weights, cluster
+        self.threads, self.rel_gap, self.deadline = threads, rel_gap, deadline
+        self.bound = z_lp
+        self.z_lp = z_lp
+        self.best: list[Allocation] = []
+        self.best_z = -1.0
+        self.keep: set[int] = set()
+        self.phases: dict = {}
+        self.price_tries = 0
+
+    def done(self) -> bool:
+        return self.best_z >= self.bound * (1 - self.rel_gap) - 1e-9
+
+    def offer(self, allocs: list[Allocation], source: str) -> None:
+        if allocs and _fits(allocs, self.cluster):
+            z = _objective(allocs, self.weights)
+            if z > self.best_z + 1e-9:
+                self.best, self.best_z = allocs, z
+                self.phases["found_by"] = source
+
+    def try_prices(self, prices: dict[str, float]) -> None:
+        """Tighten the bound with one price vector; keep what it bought as an incumbent if it
+        fits, and its configurations for the restricted MILP."""
+        self.price_tries += 1
+        kb = knapsack_bound(self.configs, self.weights, self.cluster, prices, self.z_lp)
+        self.bound = min(self.bound, kb.bound)
+        self.phases["price_vectors"] = self.price_tries
+        guess = _merge_picks(kb.picks)
+        self.offer(guess, "knapsack")
+        self.keep |= {id(a.config) for a in guess}
+
+    def restricted(self, seconds: float) -> None:
+        """A MILP over the kept configurations only, for a quick good incumbent."""
+        left = self.deadline - time.perf_counter()
+        if left <= 0:
+            return
+        sub = {mm: [c for c in cs if id(c) in self.keep] for mm, cs in self.configs.items()}
+        if any(not cs for cs in sub.values()):
+            return
+        r = _cbc(sub, self.weights, self.cluster, self.bound, min(seconds, left),
+                 self.threads, self.rel_gap, self.best)
+        self.offer(r.allocs, "restricted")
+        self.phases["restricted_configs"] = sum(len(v) for v in sub.values())
+
+    def kernel_search(self, ranked: dict[str, list[PipelineConfig]], until: float) -> None:
+        """Add the configurations outside the kernel a bucket at a time; each small MILP must
+        beat the incumbent (so it fails fast when it cannot), and what it uses joins the kernel."""
+        rest = {mm: [c for c in cs if id(c) not in self.keep] for mm, cs in ranked.items()}
+        buckets = 0
+        while not self.done() and any(rest.values()):
+            left = min(until, self.deadline) - time.perf_counter()
+            if left <= 0.2:
+                break
+            bucket = set()
+            for mm, cs in rest.items():
+                bucket |= {id(c) for c in cs[:_BUCKET_PER_MODEL]}
+                rest[mm] = cs[_BUCKET_PER_MODEL:]
+            keep = self.keep | bucket
+            sub = {mm: [c for c in cs if id(c) in keep] for mm, cs in self.configs.items()}
+            r = _cbc(sub, self.weights, self.cluster, self.bound, min(_BUCKET_S, left), self.threads,
+                     self.rel_gap, [], floor=self.best_z * (1 + 1e-7) + 1e-9)
+            buckets += 1
+            if r.allocs and r.objective > self.best_z:
+                self.offer(r.allocs, "kernel search")
+                self.keep |= {id(a.config) for a in r.allocs}
+        self.phases["buckets"] = buckets
+
+
+def _price_variants(lp_prices: dict[str, float], cluster: Cluster) -> list[dict[str, float]]:
+    """Price vectors to try after the LP's: the dominant type with the others discounted, and
+    each type alone. Integer effects make the LP's relative prices rarely the best ones."""
+    gs = [g for g in cluster.gpus if cluster.gpus[g].count > 0]
+    if not gs:
+        return []
+    top = max(gs, key=lambda g: lp_prices.get(g, 0.0) * cluster.gpus[g].count)
+    out = []
+    if any(lp_prices.get(g, 0.0) > 0 for g in gs if g != top):
+        for f in (0.5, 0.25, 0.75, 0.1):
+            out.append({g: (p if g == top else p * f) for g, p in lp_prices.items()})
+    for g in [top] + [g for g in gs if g != top]:
+        out.append({h: (1.0 if h == g else 0.0) for h in gs})
+    return out
+
+
+@dataclass
+class _CbcResult:
+    status: str
+    allocs: list[Allocation]
+    objective: float
+    bound: float
+    num_vars: int
+    num_int: int
+    num_constrs: int
+
+
+def _cbc(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start,
+         floor: float | None = None) -> _CbcResult:
+    """One CBC run on the MILP over ``configs`` with ``z`` capped by a known bound (and, with
+    ``floor``, required to reach it)."""
+    B = _build(configs, weights, cluster, integer=True, z_cap=z_cap * (1 + 1e-9) + 1e-9, threads=threads)
+    m = B.model
+    if floor is not None:
+        B.z.lb = floor
+    m.max_mip_gap = rel_gap
+    m.max_mip_gap_abs = 1e-6
+    if start:
+        vals = _start_values(start, B.xs, weights, B.z)
+        if vals:
+            m.start = vals
+    with quiet_stdout():
+        st = m.optimize(max_seconds=time_limit_s)
+    allocs = []
+    obj = -1.0
+    if m.num_solutions:
+        for c, _x, ns in B.xs:
+            counts = tuple(int(round(n.x)) for n in ns)
+            if min(counts) > 0:
+                allocs.append(Allocation(c, counts))
+        obj = _objective(allocs, weights) if allocs else 0.0
+    bound = float(m.objective_bound) if m.objective_bound is not None else z_cap
+    return _CbcResult(st.name.lower(), allocs, obj, bound, m.num_cols, m.num_int, m.num_rows)
+
+
+def _gap(obj: float, bound: float) -> float:
+    if obj <= 0:
+        return math.inf if bound > 0 else 0.0
+    return max(0.0, (bound - obj) / obj)
+
+
+def _solo_bound(configs: list[PipelineConfig], cluster: Cluster) -> float:
+    """Fluid bound on one model's throughput: the best config given every GPU it could use."""
+    best = 0.0
+    for c in configs:
+        # Each partition consumes 1/rps_per_gpu GPUs per request/s from its type's budget.
+        need: dict[str, float] = defaultdict(float)
+        for s in c.segments:
+            need[s.gpu] += 1.0 / s.rps_per_gpu
+        best = max(best, min(cluster.gpus[g].count / a for g, a in need.items()))
+    return best
+
+
+def _trim(c: PipelineConfig, counts: tuple[int, ...]) -> tuple[int, ...]:
+    """Give each pool only the vGPUs the pipeline's slowest pool can feed."""
+    if c.tied:
+        return counts
+    x = min(n * s.rps_per_vgpu for n, s in zip(counts, c.segments, strict=True))
+    out = []
+    for n, s in zip(counts, c.segments, strict=True):
+        k = max(1, math.ceil(x / s.rps_per_vgpu - 1e-9))
+        out.append(min(n, k) if k * s.rps_per_vgpu >= x * (1 - 1e-12) else n)
+    return tuple(out)
+
+
+def _start_values(start, xs, weights, z) -> list[tuple[mip.Var, float]]:
+    by_cfg = {id(a.config): a for a in start}
+    vals: list[tuple[mip.Var, float]] = []
+    tot: dict[str, float] = defaultdict(float)
+    for c, x, ns in xs:
+        a = by_cfg.get(id(c))
+        if a is None:
+            continue
+        xv = a.throughput_rps
+        vals.append((x, xv))
+        tot[c.model] += xv
+        done = set()
+        for n, k in zip(ns, a.vgpus, strict=True):
+            if id(n) not in done:
+                vals.append((n, float(k)))
+                done.add(id(n))
+    if tot:
+        vals.append((z, min(tot.get(mm, 0.0) / w for mm, w in weights.items())))
+    return vals
+
+
+@dataclass
+class _Built:
+    model: mip.Model
+    xs: list[tuple[PipelineConfig, mip.Var, list[mip.Var]]]
+    z: mip.Var
+    budget_rows: dict[str, mip.Constr]
+
+
+def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | None, threads: int) -> _Built:
+    """The MILP (or its LP relaxation). ``z_cap`` is a known bound on the objective.
+
+    With a cap, no model needs more than weight × cap: pipelines and pools may be bounded by
+    that without losing any optimum (surplus vGPUs can always be taken away), which keeps the
+    integer variables' ranges, and so CBC's branching, small.
+    """
+    m = mip.Model(sense=mip.MAXIMIZE, solver_name=mip.CBC)
+    m.verbose = 0
+    m.threads = threads
+    kind = mip.INTEGER if integer else mip.CONTINUOUS
+    models = list(configs)
+    z_ub = min(_solo_bound(configs[mm], cluster) / weights[mm] for mm in models)
+    if z_cap is not None:
+        z_ub = min(z_ub, z_cap)
+    z = m.add_var("z", lb=0.0, ub=max(z_ub, 0.0))
+    xs: list[tuple[PipelineConfig, mip.Var, list[mip.Var]]] = []
+    pool_use: dict[tuple[int, str], list[tuple[float, mip.Var]]] = defaultdict(list)
+    for mm in models:
+        xm = []
+        need = weights[mm] * z_ub
+        for c in configs[mm]:
+            tag = f"{len(xs)}"
+            ub_x = min(min(cluster.gpus[s.gpu].count * s.rps_per_gpu for s in c.segments), need)
+            x = m.add_var(f"x{tag}", lb=0.0, ub=ub_x)
+            if c.tied:
+                cnt = min(min(cluster.gpus[s.gpu].count * s.split, math.ceil(ub_x / s.rps_per_vgpu - 1e-9))
+                          for s in c.segments)
+                n = m.add_var(f"n{tag}", var_type=kind, lb=0, ub=cnt)
+                ns = [n] * len(c.segments)
+            else:
+                ns = []
+                for d, s in enumerate(c.segments):
+                    ub_n = min(cluster.gpus[s.gpu].count * s.split, math.ceil(ub_x / s.rps_per_vgpu - 1e-9))
+                    ns.append(m.add_var(f"n{tag}_{d}", var_type=kind, lb=0, ub=ub_n))
+            for d, (s, n) in enumerate(zip(c.segments, ns, strict=True)):
+                m += x <= s.rps_per_vgpu * n
+                pool_use[(d, s.gpu)].append((1.0 / s.split, n))
+            xs.append((c, x, ns))
+            xm.append(x)
+        m += mip.xsum(xm) >= weights[mm] * z
+    per_type: dict[str, list[mip.Var]] = defaultdict(list)
+    for (d, g), terms in sorted(pool_use.items()):
+        G = m.add_var(f"G{d}_{g}", var_type=kind, lb=0, ub=cluster.gpus[g].count)
+        # Integer coefficients (in 1/lcm of the splits) let CBC derive knapsack and MIR cuts.
+        lcm = math.lcm(*(round(1 / coef) for coef, _ in terms))
+        m += mip.xsum(round(coef * lcm) * n for coef, n in terms) <= lcm * G
+        per_type[g].append(G)
+    rows = {}
+    for g, Gs in per_type.items():
+        rows[g] = m.add_constr(mip.xsum(Gs) <= cluster.gpus[g].count, name=f"budget_{g}")
+    m.objective = mip.maximize(z)
+    return _Built(m, xs, z, rows)
+
+
+def _merge_picks(picks: dict[str, list[tuple[PipelineConfig, tuple[int, ...]]]]) -> list[Allocation]:
+    """One pipeline per configuration: pools of repeated picks add up."""
+    merged: dict[int, list] = {}
+    for items in picks.values():
+        for c, ns in items:
+            e = merged.setdefault(id(c), [c, [0] * len(ns)])
+            e[1] = [a + b for a, b in zip(e[1], ns, strict=True)]
+    return [Allocation(c, tuple(ns)) for c, ns in merged.values()]
+
+
+def _fits(allocs: list[Allocation], cluster: Cluster) -> bool:
+    used = gpu_budget_used(allocs)
+    return all(n <= cluster.gpus[g].count for g, n in used.items())
+
+
+def _objective(allocs: list[Allocation], weights: dict[str, float]) -> float:
+    tot: dict[str, float] = defaultdict(float)
+    for a in allocs:
+        tot[a.config.model] += a.throughput_rps
+    return min(tot.get(mm, 0.0) / w for mm, w in weights.items())

@@ -1,0 +1,133 @@
+"""What a simulation measured, computed once from the loop's per-request arrays.
+
+Everything here is a pure function of the simulated run (same seed, same numbers bit for bit),
+except the ``speed`` block (wall time, simulated requests per wall-second), which is reported
+apart so that comparing two results' ``to_json(speed=False)`` tests determinism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..core.scheduler import DROP_REASONS
+from .engine import LATE_EPS_US, R_PENDING, R_SERVED
+
+
+@dataclass
+class ModelResult:
+    model: str
+    offered: int
+    rate_rps: float
+    served: int  # completed within the SLO
+    late: int  # completed after the deadline
+    drops: dict[str, int]
+    unfinished: int  # still pending when the run stopped early (0 for a full run)
+    p50_ms: float  # latency of completed requests (late ones included)
+    p99_ms: float
+
+    @property
+    def attainment(self) -> float:
+        """Served within SLO / offered (1.0 when nothing was offered)."""
+        return self.served / self.offered if self.offered else 1.0
+
+
+@dataclass
+class SimResult:
+    policy: str
+    plan: str
+    duration_s: float
+    seed: int
+    jitter_sigma: float
+    models: list[ModelResult]
+    utilization: dict[str, float]  # GPU type -> busy time / (vGPUs of that type x duration)
+    counters: dict[str, int]
+    stopped: bool = False  # the miss budget ran out: attainments are upper bounds below target
+    speed: dict[str, float] = field(default_factory=dict)
+    timeline: list[tuple[str, float, float, int, int]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def min_attainment(self) -> float:
+        return min((m.attainment for m in self.models), default=1.0)
+
+    @property
+    def offered(self) -> int:
+        return sum(m.offered for m in self.models)
+
+    def to_json(self, speed: bool = True) -> dict[str, Any]:
+        c = self.counters
+        d = {
+            "plan": self.plan,
+            "policy": self.policy,
+            "duration_s": self.duration_s,
+            "seed": self.seed,
+            "jitter_sigma": self.jitter_sigma,
+            **self.extra,
+            "stopped": self.stopped,
+            "min_attainment": self.min_attainment,
+            "models": [
+                {"model": m.model, "rate_rps": m.rate_rps, "offered": m.offered,
+                 "attainment": m.attainment, "served": m.served, "late": m.late, "drops": m.drops,
+                 "unfinished": m.unfinished, "p50_ms": m.p50_ms, "p99_ms": m.p99_ms}
+                for m in self.models
+            ],
+            "utilization": self.utilization,
+            "decisions": c["decisions"],
+            "dispatches": c["dispatches"],
+            "probes_per_dispatch": c["probes"] / c["dispatches"] if c["dispatches"] else 0.0,
+            "counters": c,
+        }
+        if speed:
+            d["speed"] = self.speed
+        return d
+
+    def summary(self) -> str:
+        lines = [f"{self.plan}  policy={self.policy}  {self.duration_s:g} s  seed={self.seed}  "
+                 f"jitter σ={self.jitter_sigma:g}" + ("  (stopped early: below target)" if self.stopped else "")]
+        lines.append(f"{'model':<44} {'rate/s':>8} {'offered':>8} {'attain%':>8} {'late':>6} "
+                     f"{'dropped':>8} {'p50 ms':>8} {'p99 ms':>8}")
+        for m in self.models:
+            lines.append(f"{m.model[:44]:<44} {m.rate_rps:8.1f} {m.offered:8d} {100 * m.attainment:8.2f} "
+                         f"{m.late:6d} {sum(m.drops.values()):8d} {m.p50_ms:8.2f} {m.p99_ms:8.2f}")
+        util = "  ".join(f"{g} {100 * u:.1f}%" for g, u in self.utilization.items())
+        c = self.counters
+        ppd = c["probes"] / c["dispatches"] if c["dispatches"] else 0.0
+        lines.append(f"utilization: {util}")
+        lines.append(f"decisions {c['decisions']}  dispatches {c['dispatches']}  probes/dispatch {ppd:.2f}")
+        if self.speed:
+            s = self.speed
+            lines.append(f"sim wall {s['wall_s']:.3f} s  {s['requests_per_wall_s']:,.0f} simulated requests/s  "
+                         f"{s['wall_us_per_decision']:.2f} µs wall per decision (whole loop)")
+        return "\n".join(lines)
+
+
+def model_results(names: list[str], rates: np.ndarray, arr_t: np.ndarray, arr_m: np.ndarray,
+                  slo_us: np.ndarray, r_state: np.ndarray, r_end: np.ndarray) -> list[ModelResult]:
+    """Per-model attainment, lateness, drops by reason and latency percentiles."""
+    out = []
+    for m, name in enumerate(names):
+        sel = arr_m == m
+        st = r_state[sel]
+        done = st == R_SERVED
+        lat = r_end[sel][done] - arr_t[sel][done]
+        late = int(np.count_nonzero(lat > slo_us[m] + LATE_EPS_US))
+        drops = {why: int(np.count_nonzero(st == R_SERVED + code)) for code, why in sorted(DROP_REASONS.items())}
+        p50, p99 = (np.percentile(lat, [50, 99]) / 1e3) if len(lat) else (np.nan, np.nan)
+        out.append(ModelResult(name, int(sel.sum()), float(rates[m]), int(done.sum()) - late, late, drops,
+                               int(np.count_nonzero(st == R_PENDING)), float(p50), float(p99)))
+    return out
+
+
+def utilization(gpu_types: list[str], v_gpu_type: np.ndarray, busy_us: np.ndarray,
+                duration_us: float) -> dict[str, float]:
+    """Temporal utilization per GPU type: inference busy time / (vGPUs of the type x duration)."""
+    out = {}
+    for t, name in enumerate(gpu_types):
+        sel = v_gpu_type == t
+        n = int(sel.sum())
+        if n:
+            out[name] = float(busy_us[sel].sum() / (n * duration_us)) if duration_us > 0 else 0.0
+    return out

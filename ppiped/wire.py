@@ -1,0 +1,310 @@
+"""The ppiped wire protocol: every message type, its header fields and their validation.
+
+A message is a ZeroMQ multipart: ``[header, payload, ...]``. The header is a msgpack array
+``[VERSION, TYPE, field, ...]`` (positional, so it stays a few dozen bytes); payload frames are
+raw bytes (client frames, fp16 feature maps, results) that the scheduler passes on zero-copy and
+never decodes. :func:`decode` checks the version, the type, the arity and the type of every
+field and raises :class:`ProtocolError` naming the message and field; each caller then checks
+the payload frame count with :func:`expect_frames`.
+
+Sockets: clients (DEALER) ↔ scheduler ROUTER; executor processes (DEALER, one per process, which
+may host many vGPUs) ↔ scheduler executor ROUTER; executor → executor over PUSH → PULL.
+
+Times on the wire are integer microseconds of the *receiver's* monotonic clock for what the
+scheduler sends (reserved starts) and of the *sender's* clock for what executors send (clock,
+feedback); the scheduler keeps a per-executor clock offset, so hosts need no synchronised clocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+VERSION = 1
+MAX_HEADER_BYTES = 1 << 20
+
+
+class T(IntEnum):
+    """Message types. 1–15: client ↔ scheduler; 16–: executor ↔ scheduler and executor ↔ executor."""
+
+    SUBMIT = 1  # C→S  model, slo_us (0: the model's SLO), ids            + one frame per id
+    REPLY = 2  # S→C   ids, status, reason, meta                           + one frame per id if OK
+    ERROR = 3  # any   code, message (the message could not be tied to request ids)
+    PING = 4  # C→S    token
+    PONG = 5  # S→C    token, info (dict: models, SLOs, limits)
+    REGISTER = 16  # E→S  vgpus, data_endpoint, backend, pid, clock_us, incarnation
+    WELCOME = 17  # S→E   assignments (one list per vGPU, see Assignment), heartbeat_ms
+    PEERS = 18  # S→E     directory: flat [vgpu, endpoint, ...] of every registered vGPU
+    HEARTBEAT = 19  # E→S clock_us, queued batches
+    DISPATCH = 20  # S→E  batch, path (vGPU per hop), starts (µs, per hop, each in its executor's clock), ids
+    #                     + one input frame per id
+    FORWARD = 21  # E→E   batch, path, starts, hop, ids, meta (tensor spec or None) + frames
+    RESULT = 22  # E→S    batch, ids, meta, failed (flat [id, reason, ...]), feedback (as FEEDBACK's
+    #                     entries: piggybacked, saves a message per batch)     + one frame per id
+    FEEDBACK = 23  # E→S  entries: flat [vgpu, batch, hop, ready_us, start_us, end_us, ...] (sender clock)
+    CANCEL = 24  # S→E    batches whose reservations are void (a vGPU on the path was lost)
+    BYE = 25  # E→S       vgpus leaving on purpose
+    ALIVE = 26  # S→E     (no fields) liveness probe: with mandatory routing, sending it fails at
+    #                     once if the executor's connection is gone; executors ignore it
+
+
+class Status(IntEnum):
+    OK = 0
+    DROPPED = 1  # accepted, then not served in time (deadline, lost executor, shutdown)
+    REJECTED = 2  # never admitted: unknown model, oversize payload, malformed, overloaded
+
+
+# Reasons (the ``reason`` field of REPLY and ``code`` of ERROR): stable strings for counters.
+DEADLINE = "deadline"  # no batch could finish before the request's deadline
+EXECUTOR_LOST = "executor-lost"  # its batch was on a vGPU that died and the deadline did not allow a retry
+NO_CAPACITY = "no-capacity"  # the model has no live pipeline (every pool lost a vGPU)
+SHUTDOWN = "shutdown"
+UNKNOWN_MODEL = "unknown-model"
+PAYLOAD_TOO_LARGE = "payload-too-large"
+BAD_INPUT = "bad-input"  # the executor could not use the frame (wrong size for the model input)
+OVERLOADED = "overloaded"  # too many requests pending in the scheduler
+MALFORMED = "malformed"
+VERSION_MISMATCH = "version"
+UNREGISTERED = "unregistered"  # an executor spoke before registering (scheduler restarted): re-register
+VGPU_TAKEN = "vgpu-taken"  # another live executor serves that vGPU: retry (it may be about to die)
+
+
+class ProtocolError(ValueError):
+    """A header that is not a valid message; ``code`` is a reason string from this module."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# --- field checks ---------------------------------------------------------------------------
+
+
+def _uint(x: Any) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _str(x: Any) -> bool:
+    return type(x) is str
+
+
+_INT_ONLY = {int}
+
+
+def _uints(x: Any) -> bool:
+    # two C-level passes instead of a Python loop: ids lists are on every hot message
+    if type(x) is not list:
+        return False
+    return not x or (set(map(type, x)) == _INT_ONLY and min(x) >= 0)
+
+
+def _ints(x: Any) -> bool:
+    if type(x) is not list:
+        return False
+    return not x or set(map(type, x)) == _INT_ONLY
+
+
+def _list(x: Any) -> bool:
+    return type(x) is list
+
+
+def _dict(x: Any) -> bool:
+    return type(x) is dict
+
+
+def _any(x: Any) -> bool:
+    return True
+
+
+_KIND = {_uint: "unsigned int", _int: "int", _str: "string", _uints: "list of unsigned ints",
+         _ints: "list of ints", _list: "list", _dict: "map", _any: "any"}
+
+Field = tuple[str, Callable[[Any], bool]]
+SCHEMAS: dict[int, tuple[Field, ...]] = {
+    T.SUBMIT: (("model", _str), ("slo_us", _uint), ("ids", _uints)),
+    T.REPLY: (("ids", _uints), ("status", _uint), ("reason", _str), ("meta", _any)),
+    T.ERROR: (("code", _str), ("message", _str)),
+    T.PING: (("token", _any),),
+    T.PONG: (("token", _any), ("info", _dict)),
+    T.REGISTER: (("vgpus", _uints), ("data_endpoint", _str), ("backend", _str), ("pid", _uint),
+                 ("clock_us", _int), ("incarnation", _uint)),
+    T.WELCOME: (("assignments", _list), ("heartbeat_ms", _uint)),
+    T.PEERS: (("directory", _list),),
+    T.HEARTBEAT: (("clock_us", _int), ("queued", _uint)),
+    T.DISPATCH: (("batch", _uint), ("path", _uints), ("starts", _ints), ("ids", _uints)),
+    T.FORWARD: (("batch", _uint), ("path", _uints), ("starts", _ints), ("hop", _uint), ("ids", _uints),
+                ("meta", _any)),
+    T.RESULT: (("batch", _uint), ("ids", _uints), ("meta", _any), ("failed", _list), ("feedback", _ints)),
+    T.FEEDBACK: (("entries", _ints),),
+    T.CANCEL: (("batches", _uints),),
+    T.BYE: (("vgpus", _uints),),
+    T.ALIVE: (),
+}
+FEEDBACK_STRIDE = 6
+
+
+def decode(frame: Any) -> list:
+    """Validate a header frame (bytes, memoryview or ``zmq.Frame``); return ``[VERSION, TYPE, *fields]``."""
+    buf = getattr(frame, "buffer", frame)
+    if len(buf) > MAX_HEADER_BYTES:
+        raise ProtocolError(MALFORMED, f"header of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        h = msgpack.unpackb(buf, use_list=True, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(MALFORMED, f"header is not msgpack: {type(e).__name__}") from None
+    if type(h) is not list or len(h) < 2:
+        raise ProtocolError(MALFORMED, "header must be a msgpack array [version, type, ...]")
+    if h[0] != VERSION:
+        raise ProtocolError(VERSION_MISMATCH, f"protocol version {h[0]!r}; this side speaks {VERSION}")
+    schema = SCHEMAS.get(h[1]) if type(h[1]) is int else None
+    if schema is None:
+        raise ProtocolError(MALFORMED, f"unknown message type {h[1]!r}")
+    if len(h) != 2 + len(schema):
+        raise ProtocolError(MALFORMED, f"{T(h[1]).name}: expected {len(schema)} fields "
+                            f"({', '.join(n for n, _ in schema)}), got {len(h) - 2}")
+    for i, (name, ok) in enumerate(schema):
+        if not ok(h[i + 2]):
+            raise ProtocolError(MALFORMED, f"{T(h[1]).name}.{name}: expected {_KIND[ok]}, "
+                                f"got {_short(h[i + 2])}")
+    return h
+
+
+def expect_frames(h: list, n_frames: int, wanted: int) -> None:
+    """Raise unless a message carries exactly ``wanted`` payload frames."""
+    if n_frames != wanted:
+        raise ProtocolError(MALFORMED, f"{T(h[1]).name}: header announces {wanted} payload frame(s), "
+                            f"message has {n_frames}")
+
+
+def _short(x: Any) -> str:
+    r = repr(x)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+# --- constructors (one per type, so field order lives here only) ----------------------------
+
+_pack = msgpack.packb
+
+
+def submit(model: str, slo_us: int, ids: Sequence[int]) -> bytes:
+    return _pack([VERSION, T.SUBMIT, model, slo_us, ids])
+
+
+def reply(ids: Sequence[int], status: int, reason: str = "", meta: Any = None) -> bytes:
+    return _pack([VERSION, T.REPLY, ids, status, reason, meta])
+
+
+def error(code: str, message: str) -> bytes:
+    return _pack([VERSION, T.ERROR, code, message])
+
+
+def ping(token: Any) -> bytes:
+    return _pack([VERSION, T.PING, token])
+
+
+def pong(token: Any, info: dict) -> bytes:
+    return _pack([VERSION, T.PONG, token, info])
+
+
+def register(vgpus: Sequence[int], data_endpoint: str, backend: str, pid: int, clock_us: int,
+             incarnation: int) -> bytes:
+    return _pack([VERSION, T.REGISTER, vgpus, data_endpoint, backend, pid, clock_us, incarnation])
+
+
+def welcome(assignments: Sequence[list], heartbeat_ms: int) -> bytes:
+    return _pack([VERSION, T.WELCOME, assignments, heartbeat_ms])
+
+
+def peers(directory: dict[int, str]) -> bytes:
+    flat: list = []
+    for v, ep in directory.items():
+        flat += (v, ep)
+    return _pack([VERSION, T.PEERS, flat])
+
+
+def heartbeat(clock_us: int, queued: int) -> bytes:
+    return _pack([VERSION, T.HEARTBEAT, clock_us, queued])
+
+
+def dispatch(batch: int, path: Sequence[int], starts: Sequence[int], ids: Sequence[int]) -> bytes:
+    return _pack([VERSION, T.DISPATCH, batch, path, starts, ids])
+
+
+def forward(batch: int, path: Sequence[int], starts: Sequence[int], hop: int, ids: Sequence[int],
+            meta: Any) -> bytes:
+    return _pack([VERSION, T.FORWARD, batch, path, starts, hop, ids, meta])
+
+
+def result(batch: int, ids: Sequence[int], meta: Any, failed: Sequence = (), feedback: Sequence[int] = ()
+           ) -> bytes:
+    return _pack([VERSION, T.RESULT, batch, ids, meta, list(failed), list(feedback)])
+
+
+def feedback(entries: Sequence[int]) -> bytes:
+    return _pack([VERSION, T.FEEDBACK, entries])
+
+
+def cancel(batches: Sequence[int]) -> bytes:
+    return _pack([VERSION, T.CANCEL, batches])
+
+
+def bye(vgpus: Sequence[int]) -> bytes:
+    return _pack([VERSION, T.BYE, vgpus])
+
+
+ALIVE_HEADER = _pack([VERSION, T.ALIVE])
+
+
+# --- the vGPU assignment carried by WELCOME -------------------------------------------------
+
+
+class Assignment:
+    """What one vGPU runs: a partition of one pipeline, with its profiled latency per batch size.
+
+    On the wire a positional list: ``[vgpu, model, pipeline, partition, start, end, gpu, split,
+    server, last, lat_us, trans_us]`` where ``lat_us[bs-1]`` is the profiled inference latency and
+    ``trans_us[bs-1]`` the profiled transfer time of the outgoing boundary (zeros on the last hop).
+    """
+
+    __slots__ = ("vgpu", "model", "pipeline", "partition", "start", "end", "gpu", "split", "server",
+                 "last", "lat_us", "trans_us")
+
+    def __init__(self, vgpu: int, model: str, pipeline: int, partition: int, start: int, end: int,
+                 gpu: str, split: int, server: int, last: bool, lat_us: list[float],
+                 trans_us: list[float]) -> None:
+        self.vgpu, self.model, self.pipeline, self.partition = vgpu, model, pipeline, partition
+        self.start, self.end, self.gpu, self.split, self.server = start, end, gpu, split, server
+        self.last, self.lat_us, self.trans_us = last, lat_us, trans_us
+
+    def to_wire(self) -> list:
+        return [self.vgpu, self.model, self.pipeline, self.partition, self.start, self.end, self.gpu,
+                self.split, self.server, self.last, self.lat_us, self.trans_us]
+
+    @classmethod
+    def from_wire(cls, x: Any) -> Assignment:
+        if type(x) is not list or len(x) != 12:
+            raise ProtocolError(MALFORMED, "WELCOME.assignments: each entry is a 12-field list")
+        v, model, pipe, part, start, end, gpu, split, server, last, lat, trans = x
+        if not (_uint(v) and _str(model) and _uint(pipe) and _uint(part) and _uint(start) and _uint(end)
+                and _str(gpu) and _uint(split) and _uint(server) and type(last) is bool
+                and _list(lat) and _list(trans) and lat
+                and all(isinstance(t, (int, float)) for t in lat + trans)):
+            raise ProtocolError(MALFORMED, f"WELCOME.assignments: bad entry {_short(x)}")
+        return cls(v, model, pipe, part, start, end, gpu, split, server, last,
+                   [float(t) for t in lat], [float(t) for t in trans])
+
+    def __repr__(self) -> str:
+        return (f"Assignment(vgpu={self.vgpu}, model={self.model!r}, pipeline={self.pipeline}, "
+                f"partition={self.partition}, blocks=[{self.start},{self.end}), gpu={self.gpu}/{self.split})")
+
+
+def tensor_meta(dtype: str, shape: Sequence[int], name: str = "") -> list:
+    """Describes a raw tensor frame: ``[dtype, shape, name]`` (numpy dtype string, C order)."""
+    return [dtype, list(shape), name]

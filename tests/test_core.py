@@ -1,0 +1,435 @@
+"""The compiled scheduler against the plain-Python reference, on random small clusters.
+
+Both are driven in lockstep by one tiny event loop (arrivals, wake-ups, executor reports with
+jitter and failures, vGPU failures, GC); every decision must be the same, handle for handle and
+µs for µs, and the end-to-end invariants must hold: each request ends exactly once, tables never
+overlap, reservations follow the path in time, ppipe dispatches meet their requests' deadlines.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ppiped.cluster import Cluster, GpuType
+from ppiped.core import Layout, Scheduler
+from ppiped.core.reference import RefScheduler
+from ppiped.plan import ModelPlan, Partition, Pipeline, Plan, PlanParams
+from ppiped.profiles import Profile
+
+NB = 4  # blocks per synthetic model
+MAXB = 3  # profiled batch sizes
+
+
+def make_case(seed: int, max_parts: int = 3):
+    """A random plan on a random two-type cluster, with matching profiles."""
+    rnd = random.Random(seed)
+    per_server = {"A": rnd.choice([1, 2]), "B": rnd.choice([1, 2])}
+    splits = {"A": (1, 2), "B": (1,)}
+    profiles, models, need = {}, [], {"A": 0, "B": 0}
+    for mi in range(rnd.choice([1, 2])):
+        name = f"m{mi}"
+        lat = {g: {s: np.array([[rnd.randint(20, 120) * s * (1 + 0.6 * b) for b in range(MAXB)]
+                                for _ in range(NB)]) for s in splits[g]} for g in "AB"}
+        prof = Profile(name, NB, lat, np.array([float(rnd.randint(500, 8000)) for _ in range(NB - 1)]),
+                       {"A": 100.0})
+        profiles[name] = prof
+        pipes = []
+        total = 0.0
+        for _ in range(rnd.choice([1, 2])):
+            nparts = rnd.randint(1, max_parts)
+            cuts = sorted(rnd.sample(range(1, NB), nparts - 1))
+            bounds = [0, *cuts, NB]
+            bs = rnd.randint(1, MAXB)
+            parts = []
+            for a, e in zip(bounds, bounds[1:], strict=False):
+                g = rnd.choice("AB")
+                sp = rnd.choice(splits[g])
+                nv = rnd.randint(1, 3)
+                need[g] += nv
+                li = prof.partition_latency_us(g, sp, a, e, bs)
+                lt = prof.transfer_us(e, bs, 1.0)
+                total = max(total, li + lt)
+                parts.append(Partition((a, e), g, sp, nv, li, lt, 1.0, bs))
+            pipes.append(Pipeline(bs, 1.0, 1.0, parts))
+        slo = rnd.uniform(3, 8) * sum(prof.partition_latency_us("A", 1, 0, NB, 1) for _ in range(1)) + 500
+        models.append(ModelPlan(name, slo, 1.0, 1.0, pipes, 100.0))
+    cluster = Cluster({g: GpuType(g, max(1, need[g]), per_server[g], splits[g]) for g in "AB"}, 1.0)
+    plan = Plan(cluster, PlanParams(max_partitions=max_parts), models, 1.0)
+    return plan, profiles
+
+
+def _kernel_actions(acts):
+    ds = [(d.model, d.pipeline, d.stage, list(d.path), d.final, list(d.request_ids), d.finish_us,
+           [(r.handle, r.resource, KIND[r.kind], r.start_us, r.end_us) for r in d.reservations])
+          for d in acts.dispatches()]
+    return ds, acts.drops(), acts.wake_at
+
+
+KIND = {"infer": 0, "uplink": 1, "downlink": 2, "claim": 3}
+
+
+def _ref_actions(ref_out):
+    ds, drops, wake = ref_out
+    out = []
+    for d in ds:
+        res = []
+        for r, kind, s, e in d.reservations:
+            res.append((None, r, kind, s, e))
+        out.append((d.model, d.pipeline, d.stage, d.path, d.final, d.rids, d.finish, res))
+    return out, drops, wake
+
+
+def _same(k, r):
+    kd, kx, kw = k
+    rd, rx, rw = r
+    assert kx == rx
+    assert kw == rw
+    assert len(kd) == len(rd)
+    for a, b in zip(kd, rd, strict=True):
+        assert a[:7] == b[:7], (a, b)
+        assert [x[1:] for x in a[7]] == [x[1:] for x in b[7]]
+
+
+def run_lockstep(seed: int, policy: str = "ppipe", n_req: int = 60, fail_vgpu: bool = True,
+                 sched_kw: dict | None = None, check_ref: bool = True):
+    """Drive a Scheduler (and the reference) through a random workload; returns the log."""
+    rnd = random.Random(seed * 7919 + 1)
+    plan, profiles = make_case(seed)
+    sch = Scheduler(plan, profiles, policy, **(sched_kw or {}))
+    lay = sch.layout
+    ref = RefScheduler(lay, "reactive" if policy == "reactive" else "ppipe",
+                       early_drop=policy == "ppipe-early-drop") if check_ref else None
+    M = len(lay.models)
+    ev: list = []
+    order = 0
+
+    def add(t, kind, payload=None):
+        nonlocal order
+        order += 1
+        heapq.heappush(ev, (t, order, kind, payload))
+
+    t = 0.0
+    mean_gap = float(np.min(lay.lat[:, 0])) / max(1, lay.num_vgpus) * rnd.uniform(0.5, 6)
+    deadline = {}
+    for rid in range(n_req):
+        t += rnd.expovariate(1.0 / mean_gap)
+        m = rnd.randrange(M)
+        deadline[rid] = t + float(lay.slo_us[m]) * rnd.uniform(0.3, 1.2) + rid * 1e-3
+        add(t, "arrive", (rid, m))
+    if fail_vgpu and lay.num_vgpus > 1:
+        v = rnd.randrange(lay.num_vgpus)
+        t0 = rnd.uniform(0, t)
+        add(t0, "down", v)
+        add(t0 + rnd.uniform(0, t), "up", v)
+    for k in range(1, 8):
+        add(t * k / 6, "gc")
+    ended: dict[int, str] = {}
+    claims: dict[int, int] = {}  # reactive: vgpu -> handle held
+    log = []
+    wake = math.inf
+    while ev or wake < math.inf:
+        if ev and ev[0][0] <= wake:
+            now, _, kind, payload = heapq.heappop(ev)
+        else:
+            now, kind, payload = wake, "wake", None
+        if kind == "arrive":
+            rid, m = payload
+            sch.submit(rid, m, now, deadline[rid])
+            if ref:
+                ref.submit(rid, m, deadline[rid])
+        elif kind == "report":
+            h, a, b = payload
+            sch.report(h, a, b)
+            if ref:
+                ref.report(h, a, b)
+            if policy == "reactive":
+                v = h & ((1 << 20) - 1)
+                if claims.get(v) == h:
+                    del claims[v]
+        elif kind in ("down", "up"):
+            if kind == "down":
+                sch.remove_vgpu(payload)
+                claims.pop(payload, None)
+            else:
+                sch.restore_vgpu(payload)
+            if ref:
+                ref.set_alive(payload, kind == "up")
+        elif kind == "gc":
+            n = sch.gc(now)
+            if ref:
+                assert n >= 0
+                ref.gc(now)
+        acts = sch.decide(now)
+        k = _kernel_actions(acts)
+        if ref:
+            _same(k, _ref_actions(ref.decide(now)))
+        wake = acts.wake_at
+        assert wake > now
+        log.append((now, k))
+        for d in acts.dispatches():
+            for rid in d.request_ids:
+                if d.final:
+                    assert rid not in ended, f"request {rid} ended twice"
+                    ended[rid] = "dispatched"
+            if policy != "reactive":
+                _check_path(lay, d, now, deadline)
+            for r in d.reservations:
+                if r.kind == "claim":
+                    assert r.vgpu not in claims, "a vGPU got two batches at once"
+                    claims[r.vgpu] = r.handle
+                    jit = rnd.uniform(-0.2, 0.5) * (r.end_us - r.start_us)
+                    failed = rnd.random() < 0.05
+                    add(r.end_us + jit, "report", (r.handle, r.start_us, r.start_us if failed else r.end_us + jit))
+                elif rnd.random() < 0.3:
+                    jit = rnd.uniform(-0.3, 0.6) * (r.end_us - r.start_us)
+                    b = r.start_us if rnd.random() < 0.1 else r.end_us + jit
+                    add(max(now, r.end_us + jit), "report", (r.handle, r.start_us, b))
+        for rid, _why in acts.drops():
+            assert rid not in ended, f"request {rid} ended twice"
+            ended[rid] = "dropped"
+        _check_tables(sch)
+    assert sorted(ended) == list(range(n_req)), "every request ends exactly once"
+    assert sch.pending() == 0
+    return log, sch
+
+
+def _check_path(lay, d, now, deadline):
+    """Hops in order in time, on the right pools, and the batch finishes by every deadline."""
+    p = d.pipeline
+    assert len(d.path) == lay.pipe_npools[p]
+    for k, v in enumerate(d.path):
+        assert lay.v_pool[v] == lay.pipe_pool0[p] + k
+    prev_end = now
+    for k in range(len(d.path)):
+        hop = [r for r in d.reservations if r.hop == k]
+        tx = [r for r in hop if r.kind != "infer"]
+        inf = [r for r in hop if r.kind == "infer"]
+        assert len(inf) == 1 and len(tx) in (0, 2)
+        if tx:
+            assert tx[0].start_us >= prev_end and tx[0].start_us == tx[1].start_us
+            assert inf[0].start_us >= tx[0].end_us
+        assert inf[0].start_us >= prev_end
+        prev_end = inf[0].end_us
+    assert prev_end == d.finish_us
+    assert all(d.finish_us <= deadline[r] for r in d.request_ids)
+
+
+def _check_tables(sch):
+    for r in range(sch.layout.num_resources):
+        row = sch.table(r)
+        for (s0, e0, _), (s1, e1, _) in zip(row, row[1:], strict=False):
+            assert s0 < e0 <= s1 < e1, f"overlap on {sch.layout.resource_name(r)}: {row}"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10**6))
+def test_ppipe_matches_reference(seed):
+    run_lockstep(seed, "ppipe")
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10**6))
+def test_reactive_matches_reference(seed):
+    run_lockstep(seed, "reactive")
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 10**6))
+def test_early_drop_matches_reference(seed):
+    run_lockstep(seed, "ppipe-early-drop")
+
+
+@pytest.mark.parametrize("policy", ["ppipe", "reactive"])
+def test_growing_the_arena_changes_nothing(policy):
+    """Tiny initial capacities force every growth path; decisions stay identical."""
+    for seed in range(4):
+        big, _ = run_lockstep(seed, policy, n_req=80, check_ref=False)
+        small, sch = run_lockstep(seed, policy, n_req=80, check_ref=False,
+                                  sched_kw=dict(table_capacity=1, queue_capacity=1, request_slots=1))
+        assert small == big
+        assert sch.stats()["table_capacity"] >= 1
+
+
+def _one_pool_case(nv=2, bs=2, lat=100.0, slo=1000.0, parts=1):
+    prof = Profile("m", 2, {"A": {1: np.array([[lat / 2, lat], [lat / 2, lat]])}}, np.array([1000.0]),
+                   {"A": lat})
+    blocks = [(0, 2)] if parts == 1 else [(0, 1), (1, 2)]
+    parts_ = [Partition(b, "A", 1, nv, 1.0, 0.0, 1.0, bs) for b in blocks]
+    plan = Plan(Cluster({"A": GpuType("A", nv * parts, 1, (1,))}, 8.0), PlanParams(),
+                [ModelPlan("m", slo, 1.0, 1.0, [Pipeline(bs, 1.0, 1.0, parts_)], 1.0)], 1.0)
+    return plan, {"m": prof}
+
+
+def test_too_few_requests_wait_until_the_last_moment():
+    plan, profs = _one_pool_case(nv=1, bs=2)
+    s = Scheduler(plan, profs)
+    s.submit(1, 0, 0.0, 1000.0)
+    a = s.decide(0.0)
+    assert a.n_dispatch == 0 and a.n_drop == 0
+    # bs 1 takes 100 µs on both blocks: latest dispatch at 1000 - 100
+    assert a.wake_at == pytest.approx(900.0)
+    s.submit(2, 0, 10.0, 2000.0)
+    a = s.decide(10.0)  # batch full: dispatch now at the planned size
+    (d,) = a.dispatches()
+    assert d.request_ids == (1, 2) and d.finish_us == pytest.approx(10.0 + 200.0)
+    assert a.wake_at == math.inf
+
+
+def test_wake_dispatches_a_partial_batch():
+    plan, profs = _one_pool_case(nv=1, bs=2)
+    s = Scheduler(plan, profs)
+    s.submit(1, 0, 0.0, 1000.0)
+    w = s.decide(0.0).wake_at
+    (d,) = s.decide(w).dispatches()
+    assert d.request_ids == (1,) and d.finish_us == pytest.approx(1000.0)
+
+
+def test_drop_when_no_batch_size_meets_the_deadline():
+    plan, profs = _one_pool_case(nv=1, bs=1)
+    s = Scheduler(plan, profs)
+    s.submit(1, 0, 0.0, 50.0)  # needs 100 µs
+    s.submit(2, 0, 0.0, 500.0)
+    a = s.decide(0.0)
+    assert a.drops() == [(1, "deadline")]
+    assert [d.request_ids for d in a.dispatches()] == [(2,)]
+
+
+def test_queueing_uses_reserved_slots_and_probe_counts():
+    plan, profs = _one_pool_case(nv=2, bs=1, slo=10_000)
+    s = Scheduler(plan, profs)
+    for i in range(5):
+        s.submit(i, 0, 0.0, 10_000.0 + i)
+    a = s.decide(0.0)
+    ends = sorted(d.finish_us for d in a.dispatches())
+    assert ends == pytest.approx([100, 100, 200, 200, 300])
+    assert a.probes == 5  # one pipeline at bs 1: one probe per dispatch
+    assert s.stats()["probes"] == 5
+
+
+def test_remove_vgpu_releases_reservations_and_no_capacity():
+    plan, profs = _one_pool_case(nv=2, bs=1, slo=10_000)
+    s = Scheduler(plan, profs)
+    s.submit(0, 0, 0.0, 5000.0)
+    (d,) = s.decide(0.0).dispatches()
+    v = d.path[0]
+    assert s.table(v)
+    s.remove_vgpu(v)
+    assert s.table(v) == []
+    s.submit(1, 0, 1.0, 5000.0)
+    (d2,) = s.decide(1.0).dispatches()
+    assert d2.path[0] != v
+    s.remove_vgpu(d2.path[0])
+    s.submit(2, 0, 2.0, 5000.0)
+    assert s.decide(2.0).drops() == [(2, "no-capacity")]
+    s.restore_vgpu(v)
+    s.submit(3, 0, 3.0, 5000.0)
+    assert s.decide(3.0).dispatches()[0].path == (v,)
+
+
+def test_late_report_delays_the_next_reservation():
+    plan, profs = _one_pool_case(nv=1, bs=1, slo=10_000)
+    s = Scheduler(plan, profs)
+    for i in range(2):
+        s.submit(i, 0, 0.0, 10_000.0 + i)
+    d0, d1 = s.decide(0.0).dispatches()
+    h0 = d0.reservations[0].handle
+    s.report(h0, 0.0, 150.0)  # ran 50 µs late
+    rows = s.table(d0.path[0])
+    assert rows == [(0.0, 150.0, h0), (150.0, 250.0, d1.reservations[0].handle)]
+    s.submit(2, 0, 10.0, 10_000.0)
+    (d2,) = s.decide(10.0).dispatches()
+    assert d2.finish_us == pytest.approx(350.0)
+
+
+def test_transfers_reserve_both_nics_only_across_servers():
+    plan, profs = _one_pool_case(nv=2, bs=1, slo=10_000, parts=2)
+    s = Scheduler(plan, profs)
+    lay = s.layout
+    s.submit(0, 0, 0.0, 10_000.0)
+    (d,) = s.decide(0.0).dispatches()
+    a, b = d.path
+    kinds = [r.kind for r in d.reservations]
+    if lay.v_server[a] == lay.v_server[b]:
+        assert kinds == ["infer", "infer"]
+    else:
+        assert kinds == ["infer", "uplink", "downlink", "infer"]
+        up, down = d.reservations[1:3]
+        assert up.resource == lay.uplink(int(lay.v_server[a]))
+        assert down.resource == lay.downlink(int(lay.v_server[b]))
+        assert up.end_us - up.start_us == pytest.approx(1000 * 8 / 8e3)
+
+
+def test_earliest_slot_api():
+    plan, profs = _one_pool_case(nv=2, bs=1)
+    s = Scheduler(plan, profs)
+    s.submit(0, 0, 0.0, 900.0)
+    s.decide(0.0)
+    v = next(r for r in range(2) if s.table(r))
+    assert s.earliest_slot([v], 0.0, 10.0) == 100.0
+    assert s.earliest_slot([1 - v], 0.0, 10.0) == 0.0
+    assert s.earliest_slot([0, 1], 0.0, 10.0) == 100.0
+
+
+def test_unknown_policy_and_unimplemented_take():
+    plan, profs = _one_pool_case()
+    with pytest.raises(ValueError, match="unknown policy"):
+        Scheduler(plan, profs, "fifo")
+    from ppiped.core import Policy
+
+    with pytest.raises(ValueError, match="not implemented"):
+        Scheduler(plan, profs, Policy("pard", take="max"))
+
+
+def test_layout_of_a_synthetic_case():
+    plan, profs = make_case(3)
+    lay = Layout.from_plan(plan, profs)
+    for pi, pool in enumerate(lay.pool_pipe):
+        assert lay.pool_v0[pi + 1] - lay.pool_v0[pi] > 0
+        assert all(lay.v_pool[v] == pi for v in range(lay.pool_v0[pi], lay.pool_v0[pi + 1]))
+        assert pool == lay.v_pipe[lay.pool_v0[pi]]
+
+
+def test_reactive_moves_batches_pool_by_pool_on_reports():
+    plan, profs = _one_pool_case(nv=1, bs=1, slo=10_000, parts=2)
+    s = Scheduler(plan, profs, "reactive")
+    v0, v1 = 0, 1
+    s.submit(1, 0, 0.0, 5000.0)
+    (d,) = s.decide(0.0).dispatches()
+    assert (d.stage, d.path, d.final, d.sources) == (0, (v0,), False, (-1,))
+    (claim,) = d.reservations
+    assert claim.kind == "claim" and claim.end_us == pytest.approx(50.0)  # block 0 at bs 1
+    s.submit(2, 0, 10.0, 5000.0)
+    assert s.decide(10.0).n_dispatch == 0  # the first pool's only vGPU is claimed
+    s.report(claim.handle, 0.0, 120.0)
+    ds = s.decide(120.0).dispatches()
+    by_stage = {x.stage: x for x in ds}
+    assert by_stage[0].request_ids == (2,) and by_stage[0].path == (v0,)
+    assert by_stage[1].request_ids == (1,) and by_stage[1].path == (v1,) and by_stage[1].final
+    assert by_stage[1].sources == (v0,)
+    # a failed claim sends its requests back to the queue they came from
+    s.report(by_stage[0].reservations[0].handle, 120.0, 120.0)
+    (again,) = s.decide(121.0).dispatches()
+    assert again.request_ids == (2,) and again.stage == 0
+    # stale or repeated reports change nothing
+    s.report(claim.handle, 0.0, 120.0)
+    assert s.decide(122.0).n_dispatch == 0
+
+
+def test_cancel_withdraws_a_pending_request():
+    plan, profs = _one_pool_case(nv=1, bs=2)
+    s = Scheduler(plan, profs)
+    s.submit(1, 0, 0.0, 1000.0)
+    s.submit(2, 0, 0.0, 1001.0)
+    assert s.cancel(1, 0)
+    assert not s.cancel(1, 0)
+    assert s.pending(0) == 1
+    w = s.decide(0.0).wake_at
+    (d,) = s.decide(w).dispatches()
+    assert d.request_ids == (2,)

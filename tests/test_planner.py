@@ -1,0 +1,292 @@
+"""The control-plane planner: plans pass the checker, baselines keep their shape, bad input
+fails clearly, more GPUs never hurt, and the subprocess and CLI paths work end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import numpy as np
+import pytest
+from conftest import MODELS_DIR, reference_plans
+
+from ppiped.cli import main as cli
+from ppiped.cluster import cluster_from_flags, cluster_from_json
+from ppiped.errors import InputError
+from ppiped.plan import PlanParams, check, import_reference, load_plan
+from ppiped.planner import (
+    PlannerTimeout,
+    algo_configs,
+    make_request,
+    plan_async,
+    plan_cluster,
+    plan_in_subprocess,
+)
+from ppiped.planner.bounds import knapsack_bound
+from ppiped.planner.configs import enumerate_configs, prune_dominated
+from ppiped.planner.milp import solve_allocation
+from ppiped.profiles import Profile, save_profile
+
+# --- a synthetic two-model world, so the planner is tested without the shared data ----------
+
+
+def _toy_profile(name: str, scale: float, boundary: list[int]) -> Profile:
+    """Four blocks on a fast GPU "A" (splits 1-2) and a slow one "B" (split 1), bs 1-4."""
+    base = np.array([3000.0, 5000.0, 4000.0, 2000.0]) * scale
+    bs = np.arange(1, 5)
+
+    def lat(mult: float, split: int) -> np.ndarray:
+        per_bs = 1 + 0.55 * (bs - 1)
+        return np.outer(base * mult * (1 + 0.7 * (split - 1)), per_bs)
+
+    latency = {"A": {1: lat(1.0, 1), 2: lat(1.0, 2)[:, :2]}, "B": {1: lat(2.6, 1)}}
+    whole = {"A": float(base.sum()), "B": float(base.sum() * 2.6)}
+    return Profile(name, 4, latency, np.array(boundary, dtype=float), whole)
+
+
+TOY = {
+    "alpha": _toy_profile("alpha", 1.0, [600_000, 300_000, 150_000]),
+    "beta": _toy_profile("beta", 1.4, [200_000, 800_000, 100_000]),
+}
+TOY_PARAMS = PlanParams(slo_scale=5.0, slo_reference_gpu="A")
+
+
+def toy_cluster(a: int = 3, b: int = 8):
+    return cluster_from_json({"nic_gbps": 10, "gpus": {
+        "A": {"count": a, "per_server": 2, "splits": [1, 2]},
+        "B": {"count": b, "per_server": 1, "splits": [1]}}})
+
+
+def toy_plan(algo="ppipe", cluster=None, rates=(400.0, 300.0), **kw):
+    return plan_cluster(TOY, ["alpha", "beta"], [1.0, 0.5], cluster or toy_cluster(), TOY_PARAMS,
+                        algo, kw.pop("time_limit", 20.0), rates, **kw)
+
+
+@pytest.mark.parametrize("algo", ["ppipe", "np", "dart-r"])
+def test_toy_plans_pass_the_checker(algo):
+    plan = toy_plan(algo)
+    assert check(plan, TOY) == []
+    assert plan.algo == algo
+    assert plan.normalized_throughput > 0
+    assert plan.solver["status"] in ("optimal", "feasible")
+    assert plan.solver["gap"] >= 0
+    assert plan.normalized_throughput == pytest.approx(
+        min(m.throughput_rps / m.weight for m in plan.models))
+
+
+def test_np_uses_one_partition_on_whole_gpus():
+    plan = toy_plan("np")
+    for m in plan.models:
+        for p in m.pipelines:
+            assert len(p.partitions) == 1
+            assert p.partitions[0].vgpu_split == 1
+
+
+def test_dart_r_pipelines_are_replicated_low_high_pairs_or_whole_models():
+    plan = toy_plan("dart-r")
+    for m in plan.models:
+        for p in m.pipelines:
+            assert all(q.vgpu_split == 1 for q in p.partitions)
+            if len(p.partitions) == 2:
+                a, b = p.partitions
+                assert a.gpu != b.gpu
+                assert a.num_vgpus == b.num_vgpus
+            else:
+                assert len(p.partitions) == 1 and p.partitions[0].blocks == (0, 4)
+
+
+def test_ppipe_is_never_below_np_or_dart_r():
+    ppipe = toy_plan("ppipe").normalized_throughput
+    assert ppipe >= toy_plan("np").normalized_throughput * (1 - 1e-6)
+    assert ppipe >= toy_plan("dart-r").normalized_throughput * (1 - 1e-6)
+
+
+def test_more_gpus_never_lower_the_objective():
+    prev = 0.0
+    for a, b in [(1, 2), (2, 5), (3, 8), (3, 10)]:
+        plan = toy_plan("ppipe", toy_cluster(a, b))
+        assert plan.solver["status"] == "optimal"
+        assert plan.normalized_throughput >= prev * (1 - 1e-6)
+        prev = plan.normalized_throughput
+
+
+def test_partitions_respect_max_partitions_and_splits():
+    params = PlanParams(slo_scale=5.0, slo_reference_gpu="A", max_partitions=3)
+    plan = plan_cluster(TOY, ["alpha", "beta"], [1.0, 1.0], toy_cluster(), params, "ppipe", 20.0,
+                        [400.0, 300.0])
+    assert check(plan, TOY) == []
+    for m in plan.models:
+        for p in m.pipelines:
+            assert len(p.partitions) <= 3
+            for q in p.partitions:
+                assert q.vgpu_split in plan.cluster.gpus[q.gpu].splits
+
+
+def test_pruning_and_knapsack_bound_keep_the_optimum():
+    """Dominance pruning loses nothing, and the knapsack bound is a true upper bound."""
+    cl = toy_cluster(2, 5)
+    weights = {"alpha": 1.0, "beta": 0.5}
+    slo = {m: 5.0 * TOY[m].whole_model_latency_us["A"] for m in TOY}
+    full = {m: enumerate_configs(TOY[m], cl, TOY_PARAMS, slo[m], 350.0, 2) for m in TOY}
+    pruned = {m: prune_dominated(cs) for m, cs in full.items()}
+    assert sum(map(len, pruned.values())) < sum(map(len, full.values()))
+    _, a = solve_allocation(full, weights, cl, time_limit_s=30)
+    _, b = solve_allocation(pruned, weights, cl, time_limit_s=30)
+    assert a.status == b.status == "optimal"
+    assert b.objective == pytest.approx(a.objective, rel=1e-6)
+    for prices in ({"A": 1.0, "B": 0.0}, {"A": 1.0, "B": 0.3}, {"A": 0.2, "B": 1.0}):
+        assert knapsack_bound(pruned, weights, cl, prices, 2 * a.objective).bound >= a.objective * (1 - 1e-9)
+
+
+def test_batch_delay_rate_defaults_to_np_throughput():
+    np_plan = plan_cluster(TOY, ["alpha", "beta"], [1.0, 0.5], toy_cluster(), TOY_PARAMS, "np", 20.0)
+    assert check(np_plan, TOY) == []
+    for m in np_plan.models:  # NP is planned with its own (settled) throughputs as λ
+        assert m.batch_delay_rate_rps == pytest.approx(m.throughput_rps, rel=0.02)
+    pp = plan_cluster(TOY, ["alpha", "beta"], [1.0, 0.5], toy_cluster(), TOY_PARAMS, "ppipe", 20.0)
+    assert check(pp, TOY) == []
+    for m, n in zip(pp.models, np_plan.models, strict=True):
+        assert m.batch_delay_rate_rps == pytest.approx(n.throughput_rps, rel=0.02)
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def test_slo_below_every_single_gpu_latency_is_an_input_error():
+    tight = PlanParams(slo_scale=1.2, slo_reference_gpu="A")  # 60% of it after the margin
+    with pytest.raises(InputError, match="alpha: no ppipe pipeline meets the SLO"):
+        plan_cluster(TOY, ["alpha", "beta"], [1, 1], toy_cluster(), tight, "ppipe", 5.0, [100, 100])
+
+
+def test_other_bad_inputs_are_input_errors():
+    with pytest.raises(InputError, match="unknown GPU type 'H100'"):
+        cl = cluster_from_flags("H100:4", None, None, 10)
+        plan_cluster(TOY, ["alpha"], [1], cl, TOY_PARAMS, "ppipe", 5.0, [100])
+    with pytest.raises(InputError, match="no profile for model"):
+        plan_cluster(TOY, ["gamma"], [1], toy_cluster(), TOY_PARAMS, "ppipe", 5.0, [100])
+    with pytest.raises(InputError, match="weights"):
+        plan_cluster(TOY, ["alpha", "beta"], [1], toy_cluster(), TOY_PARAMS, "ppipe", 5.0)
+    with pytest.raises(InputError, match="unknown algorithm"):
+        plan_cluster(TOY, ["alpha"], [1], toy_cluster(), TOY_PARAMS, "magic", 5.0, [100])
+    with pytest.raises(InputError, match="too small"):
+        plan_cluster(TOY, ["alpha", "beta"], [1, 1], toy_cluster(1, 0), TOY_PARAMS, "np", 5.0, [100, 100])
+
+
+# --- subprocess and async -------------------------------------------------------------------
+
+
+def test_subprocess_plan_matches_in_process():
+    req = make_request(TOY, ["alpha", "beta"], [1.0, 0.5], toy_cluster(), TOY_PARAMS, "ppipe", 20.0,
+                       [400.0, 300.0])
+    plan = plan_in_subprocess(req)
+    assert check(plan, TOY) == []
+    assert plan.normalized_throughput == pytest.approx(toy_plan().normalized_throughput, rel=1e-6)
+
+
+def test_subprocess_reports_input_errors_and_is_killed_at_its_wall_limit():
+    bad = make_request(TOY, ["alpha"], [1.0], toy_cluster(),
+                       PlanParams(slo_scale=1.2, slo_reference_gpu="A"), "ppipe", 5.0, [100.0])
+    with pytest.raises(InputError, match="no ppipe pipeline meets the SLO"):
+        plan_in_subprocess(bad)
+    req = make_request(TOY, ["alpha", "beta"], [1.0, 0.5], toy_cluster(), TOY_PARAMS, "ppipe", 5.0,
+                       [400.0, 300.0])
+    t0 = time.perf_counter()
+    with pytest.raises(PlannerTimeout):
+        plan_in_subprocess(req, wall_limit_s=0.05)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_plan_async_keeps_the_event_loop_running():
+    req = make_request(TOY, ["alpha", "beta"], [1.0, 0.5], toy_cluster(), TOY_PARAMS, "np", 20.0,
+                       [400.0, 300.0])
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        plan = await plan_async(req)
+        t.cancel()
+        return plan, ticks
+
+    plan, ticks = asyncio.run(main())
+    assert check(plan, TOY) == []
+    assert ticks > 0
+
+
+# --- the CLI ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def toy_profile_dir(tmp_path):
+    d = tmp_path / "profiles"
+    d.mkdir()
+    for p in TOY.values():
+        save_profile(p, d / f"{p.model}.json")
+    return d
+
+
+def test_cli_plan_end_to_end(toy_profile_dir, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = cli(["plan", "--profiles", str(toy_profile_dir), "--models", "alpha,beta", "--weights", "1,0.5",
+              "--gpus", "A:3,B:8", "--gpus-per-server", "2,1", "--vgpu-splits", "2,1", "--nic-gbps", "10",
+              "--slo-reference-gpu", "A", "--time-limit", "10", "-o", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "objective (min throughput/weight)" in text and "status=" in text
+    assert json.loads(out.read_text())["format"] == "ppiped-plan/1"
+    assert check(load_plan(out), TOY) == []
+    assert cli(["check", str(out), "--profiles", str(toy_profile_dir)]) == 0
+
+
+def test_cli_plan_reports_infeasible_input(toy_profile_dir, capsys):
+    rc = cli(["plan", "--profiles", str(toy_profile_dir), "--models", "alpha", "--gpus", "A:2",
+              "--slo-reference-gpu", "A", "--slo-scale", "1.1", "--time-limit", "5"])
+    assert rc == 2
+    assert "no ppipe pipeline meets the SLO" in capsys.readouterr().err
+
+
+# --- against the shared reference plans -------------------------------------------------------
+
+V4 = reference_plans("v4")
+
+
+@pytest.mark.shared
+@pytest.mark.skipif(not V4, reason="../shared/data/ppipe is not present")
+@pytest.mark.parametrize("algo,suffix", [("ppipe", "v4"), ("np", "bl"), ("dart-r", "dart-r")])
+def test_reference_configuration_is_matched(shared_profiles, algo, suffix):
+    v4 = import_reference(V4[0])
+    ref = import_reference(str(V4[0]).replace("_v4.json", f"_{suffix}.json"))
+    models = [m.model for m in v4.models]
+    plan = plan_cluster(shared_profiles, models, [m.weight for m in v4.models], v4.cluster, v4.params,
+                        algo, 30.0, [m.batch_delay_rate_rps for m in v4.models])
+    assert check(plan, shared_profiles) == []
+    assert plan.normalized_throughput >= ref.normalized_throughput * (1.0 if algo == "ppipe" else 0.99)
+
+
+@pytest.mark.shared
+@pytest.mark.skipif(not V4, reason="../shared/data/ppipe is not present")
+def test_cli_on_shared_two_model_subset(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    rc = cli(["plan", "--profiles", str(MODELS_DIR), "--models", "googlenet-v3-pytorch,repvgg-b3",
+              "--weights", "0.5,0.5", "--gpus", "L4:6,P4:18", "--gpus-per-server", "1,1",
+              "--vgpu-splits", "4,1", "--nic-gbps", "6", "--time-limit", "10", "-o", str(out), "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["violations"] == [] and summary["objective"] > 0
+    assert cli(["check", str(out), "--profiles", str(MODELS_DIR)]) == 0
+
+
+def test_algo_configs_shapes():
+    cl = toy_cluster()
+    slo = 5.0 * TOY["alpha"].whole_model_latency_us["A"]
+    npc = algo_configs(TOY["alpha"], cl, TOY_PARAMS, "np", slo, 300.0)
+    assert npc and all(len(c.segments) == 1 and c.segments[0].split == 1 for c in npc)
+    dart = algo_configs(TOY["alpha"], cl, TOY_PARAMS, "dart-r", slo, 300.0)
+    assert all(c.tied == (len(c.segments) == 2) for c in dart)

@@ -1,0 +1,274 @@
+"""End to end over real sockets on this host: ppiped serve, executor processes (emulate, ort), the client.
+
+Every test starts its own scheduler and executors as subprocesses on ipc:// sockets in a private
+temp dir and stops them in a ``finally``; loops are bounded by request counts or timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from ppiped import wire
+from ppiped.client import AsyncClient, Client, Dropped, Rejected
+from ppiped.commands.loadgen import run_load
+from ppiped.daemon.launch import LocalCluster, short_tmpdir, write_config
+from ppiped.executor import tiny
+from ppiped.wire import Status, T
+
+
+def wait_status(c: LocalCluster, ok, timeout_s: float = 10.0) -> dict:
+    """Poll the scheduler's status until ``ok(status)``; bounded, returns the last status."""
+    end = time.monotonic() + timeout_s
+
+    def good(st):
+        try:
+            return bool(st) and ok(st)
+        except (IndexError, KeyError):
+            return False
+
+    st = c.status()
+    while not good(st) and time.monotonic() < end:
+        time.sleep(0.05)
+        st = c.status()
+    return st
+
+
+def show_logs(c: LocalCluster) -> None:
+    for name in ["serve.log", *[f"executor-{i}.log" for i in range(len(c.groups))]]:
+        print(f"--- {name}\n{c.tail(name, 40)}")
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    with short_tmpdir("ppiped-e2e-") as d:
+        yield Path(d)
+
+
+def make_cluster(base: Path, name: str, *, backend="emulate", groups=((0, 2), (1, 3)), **cfg_kw):
+    d = base / name
+    d.mkdir()
+    plan, profiles = tiny.write_example(d)
+    # a generous wait guard: on a loaded test host a wake-up may be late by milliseconds, and these
+    # tests check replies, not batching efficiency
+    cfg = write_config(d, plan, profiles, backend=backend, heartbeat_ms=50, timeout_ms=1000,
+                       scheduler={"wait_guard_us": 25_000},
+                       partitions=str(d / "parts" / "{model}" / "{start}-{end}.onnx"), **cfg_kw)
+    return LocalCluster(cfg, groups, log_level="info")
+
+
+@pytest.fixture(scope="module")
+def emulated(workdir):
+    c = make_cluster(workdir, "emu", extra="[models.tiny]\ninput_bytes = 0\n")
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def test_submit_echo_and_info(emulated):
+    with Client(emulated.client_endpoint, timeout_s=10) as c:
+        info = c.info()
+        assert info["models"]["tiny"]["slo_ms"] == 60.0 and info["vgpus_alive"] == 4
+        r = c.submit("tiny", b"frame-0")
+        assert r.data == b"frame-0" and r.meta is None
+        frames = [os.urandom(100 + i) for i in range(40)]
+        out = c.submit_many("tiny", frames, slo_ms=200)
+        assert [x.data for x in out] == frames
+
+
+async def test_rejections_are_typed_and_counted(emulated):
+    async with AsyncClient(emulated.client_endpoint, timeout_s=10) as c:
+        with pytest.raises(Rejected) as e:
+            await c.submit("no-such-model", b"x")
+        assert e.value.reason == wire.UNKNOWN_MODEL
+        with pytest.raises(Rejected) as e:
+            await c.submit("tiny", b"\0" * (16 << 20) + b"!")
+        assert e.value.reason == wire.PAYLOAD_TOO_LARGE
+        assert (await c.submit("tiny", b"still fine")).data == b"still fine"
+    st = emulated.status()
+    assert st["counters"][wire.UNKNOWN_MODEL] >= 1 and st["counters"][wire.PAYLOAD_TOO_LARGE] >= 1
+
+
+def test_malformed_messages_get_errors_not_crashes(emulated):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(emulated.client_endpoint)
+    try:
+        def ask(*frames):
+            s.send_multipart(list(frames))
+            assert s.poll(10_000), "no answer to a malformed message"
+            head, *rest = s.recv_multipart()
+            return wire.decode(head), rest
+
+        h, _ = ask(b"\xc1 not msgpack")
+        assert h[1] == T.ERROR and h[2] == wire.MALFORMED
+        import msgpack
+        h, _ = ask(msgpack.packb([99, T.SUBMIT, "tiny", 0, [1]]), b"x")
+        assert h[1] == T.ERROR and h[2] == wire.VERSION_MISMATCH
+        h, _ = ask(msgpack.packb([wire.VERSION, T.SUBMIT, "tiny", 0, ["a"]]), b"x")
+        assert h[1] == T.ERROR and "SUBMIT.ids" in h[3]
+        h, _ = ask(wire.submit("tiny", 0, [7, 8]), b"only one frame")
+        assert h[1] == T.REPLY and h[2] == [7, 8] and h[3] == Status.REJECTED and h[4] == wire.MALFORMED
+        h, _ = ask(wire.dispatch(1, [0], [0], []))
+        assert h[1] == T.ERROR and "DISPATCH" in h[3]
+        h, rest = ask(wire.submit("tiny", 0, [9]), b"ok")
+        assert h[1] == T.REPLY and h[3] == Status.OK and rest == [b"ok"]
+    finally:
+        s.close(0)
+        ctx.term()
+    assert emulated.status()["counters"]["malformed"] >= 5
+
+
+async def test_impossible_slo_is_dropped_with_reason(emulated):
+    async with AsyncClient(emulated.client_endpoint, timeout_s=10) as c:
+        with pytest.raises(Dropped) as e:
+            await c.submit("tiny", b"x", slo_ms=0.5)
+        assert e.value.reason == wire.DEADLINE
+
+
+async def test_loadgen_every_request_answered(emulated):
+    r = await run_load(emulated.client_endpoint, {"tiny": 300.0}, 2.0, seed=3, check_echo=True)
+    t = r["total"]
+    assert t["sent"] > 400 and t["no_reply"] == 0 and t["bad_echo"] == 0
+    assert t["ok"] + t["dropped"] + t["rejected"] == t["sent"]
+    st = emulated.status()
+    assert st["vgpus"]["alive"] == 4 and st["gpu_classes"]["CPU"]["busy_us"] > 0
+
+
+def test_ort_executors_serve_real_inference(workdir):
+    ort = pytest.importorskip("onnxruntime")
+    c = make_cluster(workdir, "ort", backend="ort")
+    try:
+        c.start()
+        rng = np.random.default_rng(5)
+        x = rng.normal(0, 1, (6, *tiny.INPUT_SHAPE)).astype(np.float32)
+        with Client(c.client_endpoint, timeout_s=20) as cl:
+            out = cl.submit_many("tiny", [xi.tobytes() for xi in x], slo_ms=2000)
+            with pytest.raises(Rejected) as e:
+                cl.submit("tiny", b"wrong size", slo_ms=2000)
+            assert e.value.reason == wire.BAD_INPUT
+        sess = ort.InferenceSession(str(c.config.parent / "parts" / "tiny.onnx"),
+                                    providers=["CPUExecutionProvider"])
+        want = sess.run(None, {"x": x})[0]
+        for i, r in enumerate(out):
+            (y,) = r.arrays()
+            assert y.shape == (tiny.CLASSES,)
+            np.testing.assert_allclose(y, want[i], rtol=2e-2, atol=2e-2)
+    finally:
+        c.stop()
+
+
+def test_killed_executor_every_request_still_answered(workdir):
+    """SIGKILL one executor process mid-run: its vGPUs leave, in-flight requests are re-dispatched
+    or dropped, and every request the client sent gets exactly one reply."""
+    c = make_cluster(workdir, "kill")
+    try:
+        c.start()
+
+        async def drive():
+            killed = {}
+
+            def on_tick(t_us):
+                if t_us > 700_000 and not killed:
+                    killed["at"] = time.monotonic()
+                    os.kill(c.executors[1].pid, signal.SIGKILL)
+
+            r = await run_load(c.client_endpoint, {"tiny": 400.0}, 2.0, seed=9, on_tick=on_tick,
+                               check_echo=True)
+            return r, killed
+
+        r, killed = asyncio.run(drive())
+        assert killed, "the executor was never killed"
+        t = r["total"]
+        assert t["sent"] > 500 and t["no_reply"] == 0 and t["bad_echo"] == 0, t
+        assert t["ok"] + t["dropped"] + t["rejected"] == t["sent"]
+        st = wait_status(c, lambda s: s["in_flight_batches"] == 0)
+        assert st["vgpus"]["alive"] == 2 and st["counters"]["executors_lost"] >= 1, st["counters"]
+        assert st["in_flight_batches"] == 0
+        # the survivors still serve
+        with Client(c.client_endpoint, timeout_s=10) as cl:
+            assert cl.submit("tiny", b"after").data == b"after"
+    except BaseException:
+        show_logs(c)
+        raise
+    finally:
+        c.stop()
+
+
+def test_silent_executor_is_removed_and_rejoins(workdir):
+    """SIGSTOP one executor: it misses heartbeats and leaves its pools, requests keep being answered;
+    SIGCONT: it is told it is unregistered, registers again and serves."""
+    c = make_cluster(workdir, "silent")
+    try:
+        c.start()
+        p = c.executors[1]
+        p.send_signal(signal.SIGSTOP)
+        try:
+            st = wait_status(c, lambda s: s["vgpus"]["alive"] == 2)
+            assert st["vgpus"]["alive"] == 2 and st["counters"]["executors_lost"] == 1
+            r = asyncio.run(run_load(c.client_endpoint, {"tiny": 200.0}, 1.0, seed=4, check_echo=True))
+            assert r["total"]["no_reply"] == 0 and r["total"]["bad_echo"] == 0
+        finally:
+            p.send_signal(signal.SIGCONT)
+        st = wait_status(c, lambda s: s["vgpus"]["alive"] == 4, timeout_s=20)
+        assert st["vgpus"]["alive"] == 4
+        r = asyncio.run(run_load(c.client_endpoint, {"tiny": 200.0}, 1.0, seed=5, check_echo=True))
+        assert r["total"]["no_reply"] == 0 and r["total"]["bad_echo"] == 0
+    except BaseException:
+        show_logs(c)
+        raise
+    finally:
+        c.stop()
+
+
+def test_second_claim_on_a_vgpu_waits_for_the_first_to_die(workdir):
+    c = make_cluster(workdir, "taken", groups=((0, 1, 2, 3),))
+    try:
+        c.start()
+        first = c.executors[0].pid
+        c.groups.append([0, 1, 2, 3])
+        c.executors.append(c._start_executor(1))  # a second process for the same vGPUs
+        st = wait_status(c, lambda s: s["counters"].get("vgpu_taken", 0) >= 1)
+        assert st["counters"]["vgpu_taken"] >= 1 and [e["pid"] for e in st["executors"]] == [first]
+        c.kill_executor(0)
+        st = wait_status(c, lambda s: s["vgpus"]["alive"] == 4 and s["executors"][0]["pid"] != first,
+                         timeout_s=20)
+        assert st["vgpus"]["alive"] == 4 and st["executors"][0]["pid"] == c.executors[1].pid
+        with Client(c.client_endpoint, timeout_s=10) as cl:
+            assert cl.submit("tiny", b"new owner").data == b"new owner"
+    except BaseException:
+        show_logs(c)
+        raise
+    finally:
+        c.stop()
+
+
+def test_scheduler_restart_executors_reregister(workdir):
+    c = make_cluster(workdir, "restart", groups=((0, 1, 2, 3),))
+    try:
+        c.start()
+        c.server.send_signal(signal.SIGTERM)
+        assert c.server.wait(timeout=15) == 0
+        c.server = c._spawn([c.python, "-m", "ppiped.cli", "serve", "--config", str(c.config)], "serve2.log")
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            st = c.status(timeout_s=1.0)
+            if st and st["vgpus"]["alive"] == 4:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("executors did not re-register with the restarted scheduler")
+        with Client(c.client_endpoint, timeout_s=10) as cl:
+            assert cl.submit("tiny", b"again").data == b"again"
+    finally:
+        c.stop()
