@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
+
+# Long measurements (JSON lines on stdout); each needs ../shared/data/ppipe beside the checkout.
+bench: $(STAMP)
+	$(PY) bench/planner.py
+	$(PY) bench/dispatch.py --json
+	$(PY) bench/figure6.py
+	$(PY) bench/ingest.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -185,7 +185,11 @@ def _slot2(A, F, tb, ra, rb, t, d, nt, extra, limit):
 
 @njit(types.Tuple((i8, f8, f8, b1, f8))(I1, F1, TB, i8, i8, i8, f8, f8, f8, i8), cache=True)
 def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt):
-    """Hop ``k`` of a probe: the live vGPU of ``pool`` that finishes first (lowest id on ties).
+    """Hop ``k`` of a probe: the live vGPU of ``pool`` that finishes first.
+
+    Ties (idle vGPUs finish together) go to the vGPU whose server uplink frees first, then the
+    lowest id: breaking them by id alone sends every batch's output through the first server's
+    uplink and saturates it while the others idle.
 
     For each vGPU: its input's joint NIC slot when it comes from another server (one search
     per server: vGPUs of a server share its downlink), then its inference slot. Most rows have
@@ -208,6 +212,7 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt):
     best_s = 0.0
     best_tx = 0.0
     best_has_tx = False
+    best_u = INF
     nd = 0
     last_sv = -2
     last_tx = 0.0
@@ -230,8 +235,10 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt):
         if F[o_gf + v] <= ready:
             s = max(ready, F[o_tail + v])
             f = s + L
-            if f < best_f or (f == best_f and v < best_v):
+            u = max(F[o_tail + V + 2 * sv], t)
+            if f < best_f or (f == best_f and (u < best_u or (u == best_u and v < best_v))):
                 best_f = f
+                best_u = u
                 best_v = v
                 best_s = s
                 best_tx = tx
@@ -249,8 +256,10 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt):
         ready = F[o_dr + i]
         s = earliest1_cut(F, A, tb, v, ready, L, 0.0, best_f)
         f = s + L
-        if f < best_f or (f == best_f and v < best_v):
+        u = max(F[o_tail + V + 2 * A[o_vs + v]], t)
+        if f < best_f or (f == best_f and (u < best_u or (u == best_u and v < best_v))):
             best_f = f
+            best_u = u
             best_v = v
             best_s = s
             best_tx = F[o_dt + i]
@@ -263,8 +272,8 @@ def probe(A, F, p, b, now, buf):
     """Walk pipeline ``p``'s pools at batch size ``b`` from ``now`` without reserving anything.
 
     Per pool, for each live vGPU: the joint uplink/downlink slot for its input (when it comes
-    from another server), then its inference slot; the vGPU that finishes first wins (the
-    lowest id on ties). The path and its slots go to scratch buffer ``buf``. Returns
+    from another server), then its inference slot; the vGPU that finishes first wins (ties: the
+    earliest-free uplink, then the lowest id). The path and its slots go to scratch buffer ``buf``. Returns
     ``(finish, waiting)``: waiting is the finish minus ``now`` minus the busy time of the path,
     i.e. the time the batch would spend queued for resources. ``(inf, inf)`` if a pool is dead.
     """

@@ -24,7 +24,7 @@ from ppiped.planner import (
     plan_in_subprocess,
 )
 from ppiped.planner.bounds import knapsack_bound
-from ppiped.planner.configs import enumerate_configs, prune_dominated
+from ppiped.planner.configs import PipelineConfig, Segment, enumerate_configs, prune_dominated
 from ppiped.planner.milp import solve_allocation
 from ppiped.profiles import Profile, save_profile
 
@@ -123,6 +123,34 @@ def test_partitions_respect_max_partitions_and_splits():
                 assert q.vgpu_split in plan.cluster.gpus[q.gpu].splits
 
 
+def test_enumeration_finds_every_configuration_that_meets_the_slo():
+    """The pruned depth-first search against brute force over cuts, pool kinds and batch sizes."""
+    import itertools
+
+    from ppiped.plan import batch_delay_us, slo_margin_us
+
+    cl, prof, rate = toy_cluster(), TOY["beta"], 250.0
+    slo = 5.0 * prof.whole_model_latency_us["A"]
+    room = slo - slo_margin_us(slo, TOY_PARAMS.slo_margin)
+    kinds = [("A", 1), ("A", 2), ("B", 1)]
+    want = set()
+    for parts in (1, 2, 3):
+        for cuts in itertools.combinations(range(1, 4), parts - 1):
+            bounds = (0, *cuts, 4)
+            for ks in itertools.product(kinds, repeat=parts):
+                for bs in range(1, 5):
+                    if any(prof.max_batch(g, v) < bs for g, v in ks):
+                        continue
+                    lat = sum(prof.partition_latency_us(g, v, bounds[i], bounds[i + 1], bs)
+                              + prof.transfer_us(bounds[i + 1], bs, cl.nic_gbps)
+                              for i, (g, v) in enumerate(ks))
+                    if lat + batch_delay_us(bs, rate, 1.3) <= room:
+                        want.add((bs, tuple((bounds[i], bounds[i + 1], g, v) for i, (g, v) in enumerate(ks))))
+    got = {(c.batch_size, tuple((s.start, s.end, s.gpu, s.split) for s in c.segments))
+           for c in enumerate_configs(prof, cl, TOY_PARAMS, slo, rate, 3)}
+    assert want and got == want
+
+
 def test_pruning_and_knapsack_bound_keep_the_optimum():
     """Dominance pruning loses nothing, and the knapsack bound is a true upper bound."""
     cl = toy_cluster(2, 5)
@@ -137,6 +165,18 @@ def test_pruning_and_knapsack_bound_keep_the_optimum():
     assert b.objective == pytest.approx(a.objective, rel=1e-6)
     for prices in ({"A": 1.0, "B": 0.0}, {"A": 1.0, "B": 0.3}, {"A": 0.2, "B": 1.0}):
         assert knapsack_bound(pruned, weights, cl, prices, 2 * a.objective).bound >= a.objective * (1 - 1e-9)
+
+
+def test_tied_pairs_are_bounded_by_their_slowest_partition():
+    """A DART-r pair runs at its slow partition's rate, so its count may exceed what the fast
+    partition alone would need (a regression: the bound once used the fast one)."""
+    cl = cluster_from_json({"nic_gbps": 10, "gpus": {"A": {"count": 20}, "B": {"count": 20}}})
+    pair = PipelineConfig("m", 1, (Segment(0, 1, "A", 1, 1.0, 0.0, 10.0),
+                                   Segment(1, 2, "B", 1, 1.0, 0.0, 100.0)), 2.0, tied=True)
+    allocs, info = solve_allocation({"m": [pair]}, {"m": 1.0}, cl, time_limit_s=10)
+    assert info.status == "optimal"
+    assert info.objective == pytest.approx(200.0)
+    assert allocs[0].vgpus == (20, 20)
 
 
 def test_batch_delay_rate_defaults_to_np_throughput():

@@ -155,9 +155,13 @@ class RefScheduler:
                     tx = s
                     ready = tx + T
                 s = self.T.earliest([v], ready, lat)
-                if best is None or s + lat < best[0]:
-                    best = (s + lat, v, tx, s)
-            f, v, tx, s = best
+                # ties: the vGPU whose server uplink frees first, then the lowest id
+                up = self.T.rows[self._up(sv)]
+                u = max(max((e for _, e, _ in up), default=-INF), t)
+                key = (s + lat, u, v)
+                if best is None or key < best[0]:
+                    best = (key, v, tx, s)
+            (f, _, _), v, tx, s = best
             sv = int(L.v_server[v])
             if tx is not None:
                 tent += [(self._up(prev_s), tx, tx + T), (self._down(sv), tx, tx + T)]

@@ -73,6 +73,30 @@ class ServeConfig:
     models: dict[str, ModelSettings] = field(default_factory=dict)
     executor_defaults: ExecutorSettings = field(default_factory=ExecutorSettings)
     executors: dict[int, ExecutorSettings] = field(default_factory=dict)
+    ctl_socket: str = ""  # ppiped-ctl's unix socket; empty: see ctl_socket_path()
+    ctl_mode: int = 0o660
+    ctl_group: str = ""  # chgrp the socket to this group (empty: the daemon's own group)
+    metrics_port: int = 0  # 0: no metrics endpoint
+    metrics_host: str = "127.0.0.1"
+    replan_auto: bool = False
+    replan_min_interval_s: float = 60.0
+    replan_drift: float = 0.2  # total-variation distance between measured mix and plan weights
+    replan_ewma_s: float = 10.0  # time constant of the arrival-rate EWMA
+    replan_time_limit_s: float = 30.0
+    replan_algo: str = "ppipe"
+    replan_flush_timeout_ms: float = 0.0  # 0: the largest SLO + limits.result_grace_ms
+
+    def ctl_socket_path(self) -> str:
+        """Where the ctl socket lives: the configured path, else systemd's RuntimeDirectory, else
+        beside an ipc:// ctl endpoint, else /run/ppiped/ctl.sock."""
+        if self.ctl_socket:
+            return self.ctl_socket
+        rd = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+        if rd:
+            return os.path.join(rd, "ctl.sock")
+        if self.ctl.startswith("ipc://"):
+            return os.path.join(os.path.dirname(self.ctl[6:]) or ".", "admin.sock")
+        return "/run/ppiped/ctl.sock"
 
     def executor_settings(self, vgpu: int) -> ExecutorSettings:
         return self.executors.get(vgpu, self.executor_defaults)
@@ -223,6 +247,7 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
         raise ConfigError(f"{src}: heartbeat.timeout_ms: must be at least twice interval_ms "
                           f"({cfg.heartbeat_interval_ms}), got {cfg.heartbeat_timeout_ms}")
     hb.done()
+    _ops_tables(top, cfg, base)
     cfg.scheduler = dict(top.get("scheduler", {}, "table"))
     models = top.sub("models")
     for name in list(models.d):
@@ -241,6 +266,51 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
     per.done()
     top.done()
     return cfg
+
+
+def _ops_tables(top: _Table, cfg: ServeConfig, base: Path) -> None:
+    """[ctl], [metrics] and [replan]: the operator's side of the daemon."""
+    src = top.source
+    ctl = top.sub("ctl")
+    sock = ctl.get("socket", "", "str")
+    if sock:
+        p = Path(os.path.expanduser(sock))
+        sock = str(p if p.is_absolute() else base / p)
+        if len(sock) > 100:
+            raise ConfigError(f"{src}: ctl.socket: path longer than 100 characters (unix socket limit)")
+    cfg.ctl_socket = sock
+    mode = ctl.get("mode", "0660", "str")
+    if not re.fullmatch(r"0?[0-7]{3}", mode) or int(mode, 8) & 0o600 != 0o600:
+        raise ConfigError(f"{src}: ctl.mode: expected octal permissions like \"0660\" that let the "
+                          f"owner read and write, got {mode!r}")
+    cfg.ctl_mode = int(mode, 8)
+    cfg.ctl_group = ctl.get("group", "", "str")
+    ctl.done()
+    met = top.sub("metrics")
+    port = met.get("port", 0, "int0")
+    if port > 65535:
+        raise ConfigError(f"{src}: metrics.port: expected 0 (off) or a TCP port 1-65535, got {port}")
+    cfg.metrics_port = port
+    host = met.get("host", "127.0.0.1", "str")
+    if host not in ("127.0.0.1", "::1", "localhost") and not cfg.allow_remote:
+        raise ConfigError(f"{src}: metrics.host: {host!r} is not a loopback address "
+                          "(set endpoints.allow_remote = true to listen elsewhere)")
+    cfg.metrics_host = host
+    met.done()
+    rp = top.sub("replan")
+    cfg.replan_auto = rp.get("auto", False, "bool")
+    cfg.replan_min_interval_s = rp.get("min_interval_s", 60.0, "num+")
+    cfg.replan_drift = rp.get("drift", 0.2, "num+")
+    if cfg.replan_drift > 1:
+        raise ConfigError(f"{src}: replan.drift: a share of the load between 0 and 1, got {cfg.replan_drift}")
+    cfg.replan_ewma_s = rp.get("ewma_s", 10.0, "num+")
+    cfg.replan_time_limit_s = rp.get("time_limit_s", 30.0, "num+")
+    cfg.replan_algo = rp.get("algo", "ppipe", "str")
+    if cfg.replan_algo not in ("ppipe", "np", "dart-r"):
+        raise ConfigError(f"{src}: replan.algo: expected ppipe, np or dart-r, got {cfg.replan_algo!r}")
+    flush = rp.get("flush_timeout_ms", 0, "int0")
+    cfg.replan_flush_timeout_ms = float(flush)
+    rp.done()
 
 
 def load_config(path: str | Path) -> ServeConfig:

@@ -20,7 +20,9 @@ def notify(state: str) -> bool:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
             s.connect(addr)
-            s.sendall(state.encode())
+            # never block the event loop: a systemd (or test listener) that does not read loses a
+            # datagram rather than stalling the scheduler
+            s.send(state.encode(), socket.MSG_DONTWAIT)
         return True
     except OSError:
         return False

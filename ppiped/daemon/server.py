@@ -3,7 +3,9 @@
 * clients: SUBMIT → admission checks → the core's deadline queue; REPLY per request, exactly once.
 * executors: REGISTER / HEARTBEAT / FEEDBACK / RESULT / BYE in; WELCOME / PEERS / DISPATCH /
   CANCEL out.
-* ctl: JSON status for operators and the demo.
+* ctl: JSON status for the demo and LocalCluster; operators use ``ppiped-ctl`` on a unix socket
+  (:mod:`.ctl_server`), Prometheus scrapes :mod:`.metrics`, and :mod:`.replan` replans and migrates
+  (while it holds, :meth:`Server.decide` does nothing and requests wait in the core's queue).
 
 Every scheduling decision is the core's (:class:`ppiped.core.scheduler.Scheduler`): this module
 only feeds it requests with the wall clock, carries out what ``decide`` returns (dispatch now,
@@ -42,7 +44,10 @@ from ..profiles import Profile
 from ..wire import Status, T
 from . import sdnotify
 from .config import ConfigError, ServeConfig, format_ranges
+from .ctl_server import CtlServer
 from .loop import Reader, Timers, now_us, send_parts
+from .metrics import Metrics, MetricsServer
+from .replan import RateMeter, Replanner
 
 log = logs.get("ppiped.serve")
 
@@ -80,7 +85,7 @@ class Batch:
 
 class ExecState:
     __slots__ = ("ident", "vgpus", "endpoint", "backend", "pid", "incarnation", "last_seen", "offsets",
-                 "offset", "ready")
+                 "offset", "ready", "rewelcome")
 
     def __init__(self, ident: bytes, vgpus: list[int], endpoint: str, backend: str, pid: int,
                  incarnation: int) -> None:
@@ -90,6 +95,7 @@ class ExecState:
         self.offsets: list[int] = []
         self.offset = 0  # executor clock minus scheduler clock (µs), less the smallest one-way delay
         self.ready = False
+        self.rewelcome = False  # told to re-register for a new plan: its heartbeats do not count yet
 
     def clock_sample(self, exec_clock: int, t: int) -> None:
         self.offsets.append(exec_clock - t)
@@ -127,6 +133,7 @@ class Server:
         if opts:
             raise ConfigError(f"{cfg.source}: scheduler: unknown key(s) {', '.join(sorted(opts))} "
                               "(known: policy, min_wait_us, wait_guard_us)")
+        self.policy_name, self.core_kw, self.profiles = policy, kw, profiles
         try:
             self.core = Scheduler(plan, profiles, policy=policy, **kw)
         except ValueError as e:
@@ -168,6 +175,33 @@ class Server:
         self.wake_at = math.inf
         self.started = now_us()
         self.stopping = False
+        self.plan_since = self.started
+        self.plan_version = 1
+        self.holding = False  # a migration holds dispatching
+        self.draining = False  # ppiped-ctl drain: new requests are refused, queued ones served
+        self.metrics = Metrics()
+        self.rates = RateMeter(len(self.model_names), cfg.replan_ewma_s)
+        self.replanner = Replanner(self)
+        self.ctl_server: CtlServer | None = None
+        self.metrics_server: MetricsServer | None = None
+
+    def install_plan(self, plan: Plan, core: Scheduler) -> None:
+        """Make ``plan`` (served by ``core``) the one in force; executors come back as they re-register."""
+        self.plan, self.core = plan, core
+        self.layout = lay = core.layout
+        self.nv = lay.num_vgpus
+        self.assignments = [self._assignment(v) for v in range(self.nv)]
+        self.vgpu_exec = [None] * self.nv
+        for ex in list(self.execs.values()):
+            if all(v < self.nv for v in ex.vgpus):
+                for v in ex.vgpus:
+                    self.vgpu_exec[v] = ex
+            else:  # its vGPUs are not in the new plan: it is refused when it registers again
+                del self.execs[ex.ident]
+        self.busy_us = np.zeros(self.nv, dtype=np.float64)
+        self._views_key = -1
+        self.plan_version += 1
+        self.plan_since = now_us()
 
     def _warm_up(self) -> None:
         """Call every compiled entry point once before listening: a first call may JIT-compile
@@ -211,6 +245,7 @@ class Server:
         self.client_reader = Reader(self.loop, self.client, self.on_client, after=self.after_clients)
         self.exe_reader = Reader(self.loop, self.exe, self.on_exec, after=self.after_execs)
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
+        await self._start_ops()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 self.loop.add_signal_handler(sig, self.stop)
@@ -226,6 +261,30 @@ class Server:
         await self.done
         await self.shutdown()
         return 0
+
+    async def _start_ops(self) -> None:
+        """The ctl socket (always; a failure is fatal only for an explicitly configured path) and
+        the metrics endpoint (when a port is set)."""
+        path = self.cfg.ctl_socket_path()
+        try:
+            self.ctl_server = CtlServer(self, path, self.cfg.ctl_mode, self.cfg.ctl_group)
+            await self.ctl_server.start()
+        except (OSError, ConfigError) as e:
+            self.ctl_server = None
+            if self.cfg.ctl_socket:
+                self.zctx.destroy(0)
+                raise ConfigError(f"{self.cfg.source}: ctl.socket: cannot listen on {path}: {e}") from None
+            log.warning("ctl-socket-unavailable", path=path, error=str(e))
+        if self.cfg.metrics_port:
+            try:
+                self.metrics_server = MetricsServer(self, self.cfg.metrics_host, self.cfg.metrics_port)
+                await self.metrics_server.start()
+            except OSError as e:
+                if self.ctl_server is not None:
+                    await self.ctl_server.close()
+                self.zctx.destroy(0)
+                raise ConfigError(f"{self.cfg.source}: metrics.port: cannot listen on "
+                                  f"{self.cfg.metrics_host}:{self.cfg.metrics_port}: {e}") from None
 
     def _bind(self, kind: int, ep: str, key: str, mandatory: bool = False) -> zmq.Socket:
         s = self.zctx.socket(kind)
@@ -261,6 +320,11 @@ class Server:
                 b.reqs.clear()
                 b.answered = True
         await asyncio.sleep(0.05)  # let the replies leave
+        if self.replanner.busy and self.replanner.task is not None:
+            self.replanner.task.cancel()
+        for srv in (self.ctl_server, self.metrics_server):
+            if srv is not None:
+                await srv.close()
         for r in (self.client_reader, self.exe_reader, self.ctl_reader):
             r.close()
         self.timers.close()
@@ -326,8 +390,8 @@ class Server:
             self._reject(ident, ids, wire.UNKNOWN_MODEL, None, f"unknown model {model!r}")
             return
         st = self.stats[m]
-        if self.stopping:
-            self._reject(ident, ids, wire.SHUTDOWN, st)
+        if self.stopping or self.draining:
+            self._reject(ident, ids, wire.SHUTDOWN, st, "draining" if self.draining else "")
             return
         slo = slo_us or self.slo_us[m]
         deadline = t + slo
@@ -395,8 +459,12 @@ class Server:
         """Run the core at the current time and carry out what it says. ``due``: when this decision
         became due (first arrival of the burst, or the wake time), for the overhead figure."""
         self._dirty_decide = False
+        if self.holding:  # a migration: requests wait in the queue until the new plan is in force
+            return
         t = now_us()
+        t0 = time.perf_counter()
         act = self.core.decide(float(t))
+        self.metrics.decide.observe(time.perf_counter() - t0)
         if act.n_dispatch:
             self._dispatch(act, due)
         if act.n_drop:
@@ -553,7 +621,7 @@ class Server:
                 t = now_us()
                 ex.last_seen = t
                 ex.clock_sample(h[2], t)
-                if not ex.ready:
+                if not ex.ready and not ex.rewelcome:
                     self.ready(ex)
             elif kind == T.REGISTER:
                 self.on_register(ident, h)
@@ -591,7 +659,9 @@ class Server:
             return
         old = self.execs.get(ident)
         if old is not None and old.incarnation == incarnation and old.vgpus == list(vgpus):
-            # a REGISTER repeated while we were starting: answer again, change nothing
+            # a REGISTER repeated while we were starting, or asked for by a migration: answer
+            # again (with the assignment in force); its next heartbeat comes after loading it
+            old.rewelcome = False
             self._send_exec(ident, wire.welcome([self.assignments[v].to_wire() for v in vgpus],
                                                 self.cfg.heartbeat_interval_ms))
             return
@@ -730,6 +800,8 @@ class Server:
             ts.append(start)
             te.append(end)
             self.busy_us[v] += end - start
+            if hop == len(b.path) - 1:
+                self.metrics.reservation_error(end - b.finish)
             for h in (hop, hop + 1):  # the transfer into a hop is known once both ends are
                 if 0 < h < len(b.path):
                     self._link_report(b, h, hs, ts, te)
@@ -785,6 +857,8 @@ class Server:
             elif t - b.done_at > DONE_BATCH_KEEP_US:
                 self.batches.pop(b.id, None)
         self.core.gc(float(t - 1000))
+        self.rates.update([s.accepted for s in self.stats], t)
+        self.replanner.maybe_auto()
         if self._dirty_decide:
             self.decide(t)
         self._kick()

@@ -69,7 +69,7 @@ def _segment_options(
     for g, gt in cluster.gpus.items():
         if gt.count <= 0 or g not in profile.latency:
             continue
-        for v in splits.get(g, gt.splits):
+        for v in (v for v in splits.get(g, gt.splits) if v in gt.splits):
             mb = profile.max_batch(g, v)
             if mb > 0:
                 out.append((g, v, mb))
@@ -125,9 +125,10 @@ def enumerate_configs(
         usable = [oi for oi, (_, _, mb) in enumerate(opts) if mb >= bs]
         if not usable:
             continue
-        # Fastest way to run blocks [a, nb) at this bs on one pool: a lower bound for pruning.
-        fastest_tail = np.array([min(profile.partition_latency_us(opts[oi][0], opts[oi][1], a, nb, bs)
-                                     for oi in usable) for a in range(nb)] + [0.0])
+        # Each block on its fastest pool kind, summed from block a on: a lower bound on what
+        # blocks [a, nb) take however they are cut, used to prune the search.
+        per_block = np.min([profile.latency[opts[oi][0]][opts[oi][1]][:, bs - 1] for oi in usable], axis=0)
+        fastest_tail = np.r_[np.cumsum(per_block[::-1])[::-1], 0.0]
         for parts in range(1, max_partitions + 1):
             for cuts in itertools.combinations(range(1, nb), parts - 1):
                 bounds = (0, *cuts, nb)

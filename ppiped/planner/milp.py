@@ -62,9 +62,10 @@ class SolveInfo:
         d = {
             "solver": "cbc", "status": self.status, "objective": self.objective,
             "bound": self.bound, "gap": self.gap, "solve_s": self.solve_s,
-            "configs": self.num_configs, "vars": self.num_vars, "int_vars": self.num_int,
-            "constrs": self.num_constrs, "threads": self.threads, "time_limit_s": self.time_limit_s,
+            "configs": self.num_configs, "threads": self.threads, "time_limit_s": self.time_limit_s,
         }
+        if self.num_vars:  # the full MILP ran (most plans are settled before it)
+            d.update(vars=self.num_vars, int_vars=self.num_int, constrs=self.num_constrs)
         d.update(self.extra)
         return d
 
@@ -119,10 +120,12 @@ def solve_allocation(
     """Choose vGPU counts for ``configs`` that maximise min over models of throughput/weight.
 
     Phases, each skipped once an incumbent meets the best bound: the LP relaxation (a bound
-    and GPU prices); the knapsack bound under the LP prices, with the pipelines it bought (an
-    incumbent when they fit); a small MILP restricted to the configurations the LP and the
-    knapsacks used; more price vectors for a tighter knapsack bound; and last the full MILP,
-    warm-started from the incumbent, with ``z`` capped by the bound.
+    and GPU prices); knapsack bounds (:mod:`.bounds`) under the LP's prices and a few others,
+    whose purchases are incumbents when they fit; a MILP restricted to a kernel of promising
+    configurations, for a good incumbent quickly; and the full MILP, warm-started from the
+    incumbent with ``z`` capped by the bound, until ``time_limit_s``. The knapsack bound is
+    usually the optimum, so most instances end without the full MILP; where it is not, the
+    status is "feasible" and the gap is measured against the best bound found.
     """
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
@@ -149,8 +152,6 @@ def solve_allocation(
         S.keep |= _most_efficient(configs, lp_prices, _TOP_K)
         S.keep |= {id(c) for cs in configs.values() for c in cs if len(c.segments) == 1}
         S.restricted(max(_RESTRICTED_S, _RESTRICTED_SHARE * (deadline - time.perf_counter())))
-    if not S.done():
-        S.kernel_search(_ranked(configs, lp_prices), t0 + _BUCKETS_UNTIL * time_limit_s)
     status = "optimal" if S.done() else "feasible"
     stats = (0, 0, 0)
     if not S.done() and time.perf_counter() < deadline:
@@ -184,27 +185,21 @@ def solve_allocation(
 
 
 # Seconds kept back from CBC at the end for reading its answer and building the plan.
-_DEADLINE_MARGIN_S = 0.3
+_DEADLINE_MARGIN_S = 1.0
 # The restricted MILP gets this many seconds, or this share of what is left if more.
 _RESTRICTED_S = 2.0
-_RESTRICTED_SHARE = 0.25
-# Kernel search over the remaining configurations, a bucket at a time, until this share of the
-# time limit has passed; the full MILP gets the rest.
-_BUCKETS_UNTIL = 0.7
-_BUCKET_PER_MODEL = 6
-_BUCKET_S = 4.0
+_RESTRICTED_SHARE = 0.5
 # Configurations per model, cheapest per request/s at the LP's prices, in the restricted MILP.
 _TOP_K = 8
 
 
-def _ranked(configs, prices) -> dict[str, list[PipelineConfig]]:
-    """Each model's configurations, cheapest per request/s at ``prices`` first."""
-    return {mm: sorted(cs, key=lambda c: sum(prices.get(s.gpu, 0.0) / s.rps_per_gpu for s in c.segments))
-            for mm, cs in configs.items()}
-
-
 def _most_efficient(configs, prices, k) -> set[int]:
-    return {id(c) for cs in _ranked(configs, prices).values() for c in cs[:k]}
+    """The ``k`` configurations per model that cost least per request/s at ``prices``."""
+    out: set[int] = set()
+    for cs in configs.values():
+        ranked = sorted(cs, key=lambda c: sum(prices.get(s.gpu, 0.0) / s.rps_per_gpu for s in c.segments))
+        out |= {id(c) for c in ranked[:k]}
+    return out
 
 
 class _Search:
@@ -255,29 +250,6 @@ class _Search:
         self.offer(r.allocs, "restricted")
         self.phases["restricted_configs"] = sum(len(v) for v in sub.values())
 
-    def kernel_search(self, ranked: dict[str, list[PipelineConfig]], until: float) -> None:
-        """Add the configurations outside the kernel a bucket at a time; each small MILP must
-        beat the incumbent (so it fails fast when it cannot), and what it uses joins the kernel."""
-        rest = {mm: [c for c in cs if id(c) not in self.keep] for mm, cs in ranked.items()}
-        buckets = 0
-        while not self.done() and any(rest.values()):
-            left = min(until, self.deadline) - time.perf_counter()
-            if left <= 0.2:
-                break
-            bucket = set()
-            for mm, cs in rest.items():
-                bucket |= {id(c) for c in cs[:_BUCKET_PER_MODEL]}
-                rest[mm] = cs[_BUCKET_PER_MODEL:]
-            keep = self.keep | bucket
-            sub = {mm: [c for c in cs if id(c) in keep] for mm, cs in self.configs.items()}
-            r = _cbc(sub, self.weights, self.cluster, self.bound, min(_BUCKET_S, left), self.threads,
-                     self.rel_gap, [], floor=self.best_z * (1 + 1e-7) + 1e-9)
-            buckets += 1
-            if r.allocs and r.objective > self.best_z:
-                self.offer(r.allocs, "kernel search")
-                self.keep |= {id(a.config) for a in r.allocs}
-        self.phases["buckets"] = buckets
-
 
 def _price_variants(lp_prices: dict[str, float], cluster: Cluster) -> list[dict[str, float]]:
     """Price vectors to try after the LP's: the dominant type with the others discounted, and
@@ -306,14 +278,10 @@ class _CbcResult:
     num_constrs: int
 
 
-def _cbc(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start,
-         floor: float | None = None) -> _CbcResult:
-    """One CBC run on the MILP over ``configs`` with ``z`` capped by a known bound (and, with
-    ``floor``, required to reach it)."""
+def _cbc(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start) -> _CbcResult:
+    """One CBC run on the MILP over ``configs`` with ``z`` capped by a known bound."""
     B = _build(configs, weights, cluster, integer=True, z_cap=z_cap * (1 + 1e-9) + 1e-9, threads=threads)
     m = B.model
-    if floor is not None:
-        B.z.lb = floor
     m.max_mip_gap = rel_gap
     m.max_mip_gap_abs = 1e-6
     if start:
@@ -365,6 +333,8 @@ def _trim(c: PipelineConfig, counts: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _start_values(start, xs, weights, z) -> list[tuple[mip.Var, float]]:
+    """CBC's warm start from an allocation, clipped to the model's bounds (a model that got
+    more than the cap needs keeps only what the bounds allow, which stays feasible)."""
     by_cfg = {id(a.config): a for a in start}
     vals: list[tuple[mip.Var, float]] = []
     tot: dict[str, float] = defaultdict(float)
@@ -372,16 +342,17 @@ def _start_values(start, xs, weights, z) -> list[tuple[mip.Var, float]]:
         a = by_cfg.get(id(c))
         if a is None:
             continue
-        xv = a.throughput_rps
+        counts = [min(float(k), n.ub) for n, k in zip(ns, a.vgpus, strict=True)]
+        xv = min(x.ub, min(k * s.rps_per_vgpu for k, s in zip(counts, c.segments, strict=True)))
         vals.append((x, xv))
         tot[c.model] += xv
         done = set()
-        for n, k in zip(ns, a.vgpus, strict=True):
+        for n, k in zip(ns, counts, strict=True):
             if id(n) not in done:
-                vals.append((n, float(k)))
+                vals.append((n, k))
                 done.add(id(n))
     if tot:
-        vals.append((z, min(tot.get(mm, 0.0) / w for mm, w in weights.items())))
+        vals.append((z, min(z.ub, min(tot.get(mm, 0.0) / w for mm, w in weights.items()))))
     return vals
 
 
@@ -419,8 +390,10 @@ def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | Non
             ub_x = min(min(cluster.gpus[s.gpu].count * s.rps_per_gpu for s in c.segments), need)
             x = m.add_var(f"x{tag}", lb=0.0, ub=ub_x)
             if c.tied:
-                cnt = min(min(cluster.gpus[s.gpu].count * s.split, math.ceil(ub_x / s.rps_per_vgpu - 1e-9))
-                          for s in c.segments)
+                # One count for every partition, so each replica runs at the slowest one's rate.
+                rate = min(s.rps_per_vgpu for s in c.segments)
+                cnt = min(min(cluster.gpus[s.gpu].count * s.split for s in c.segments),
+                          math.ceil(ub_x / rate - 1e-9))
                 n = m.add_var(f"n{tag}", var_type=kind, lb=0, ub=cnt)
                 ns = [n] * len(c.segments)
             else:

@@ -342,11 +342,13 @@ class PointSpec:
     start_early_us: float = 0.0
     base_plan: str | None = None
     stop_below: float | None = None
+    nic_fifo: bool = True
 
     def result(self, load_factor: float, stop: bool = True, timeline_us: tuple[float, float] | None = None
                ) -> SimResult:
         opt = SimOptions(sigma=self.sigma, start_early_us=self.start_early_us,
-                         stop_below=self.stop_below if stop else None, timeline_us=timeline_us)
+                         stop_below=self.stop_below if stop else None, timeline_us=timeline_us,
+                         nic_fifo=self.nic_fifo)
         return run_load_factor(self.plan, _profiles(self.profiles), load_factor, self.trace, self.duration_s,
                                self.seed, self.policy, self.sigma, self.cv, self.base_plan, opt, _PLANS)
 

@@ -1,0 +1,201 @@
+"""``ppiped-ctl``: operate a running ppiped daemon over its unix socket.
+
+    ppiped-ctl [--socket PATH | --config ppiped.toml] status|plan|executors|drain|replan ...
+
+The socket path comes from ``--socket``, else ``$PPIPED_CTL_SOCKET``, else the config's
+``ctl.socket`` (with the daemon's own default), else ``/run/ppiped/ctl.sock``. Exit status: 0 ok,
+1 the daemon answered with an error, 2 bad usage or config, 3 daemon not running, 4 permission denied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+DEFAULT_SOCKET = "/run/ppiped/ctl.sock"
+
+
+class CtlError(Exception):
+    """A failure to talk to the daemon; ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def socket_path(explicit: str | None = None, config: str | None = None) -> str:
+    if explicit:
+        return explicit
+    if os.environ.get("PPIPED_CTL_SOCKET"):
+        return os.environ["PPIPED_CTL_SOCKET"]
+    if config:
+        from .daemon.config import load_config
+
+        return load_config(config).ctl_socket_path()
+    return DEFAULT_SOCKET
+
+
+def call(path: str, req: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
+    """Send one request, return the daemon's answer; raises :class:`CtlError` with a clear message."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout_s)
+    try:
+        try:
+            s.connect(path)
+        except FileNotFoundError:
+            raise CtlError(f"ppiped is not running: no ctl socket at {path} "
+                           "(start it with `ppiped serve` or `systemctl start ppiped`)", 3) from None
+        except ConnectionRefusedError:
+            raise CtlError(f"ppiped is not running: {path} exists but nobody listens on it "
+                           "(a stale socket of a daemon that died)", 3) from None
+        except PermissionError:
+            raise CtlError(f"permission denied on {path}: the socket is for its owner and group "
+                           "(ask to be added to the daemon's group, e.g. `usermod -aG ppiped $USER`)", 4) from None
+        except OSError as e:
+            raise CtlError(f"cannot connect to {path}: {e.strerror or e}", 3) from None
+        s.sendall(json.dumps(req).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                raise CtlError(f"ppiped closed the connection on {path} without answering", 3)
+            buf += chunk
+    except TimeoutError:
+        raise CtlError(f"no answer from ppiped on {path} within {timeout_s:.0f} s", 3) from None
+    finally:
+        s.close()
+    return json.loads(buf)
+
+
+async def acall(path: str, req: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+    """:func:`call` for code on an event loop (benches, tests): one request, one answer."""
+    import asyncio
+
+    reader, writer = await asyncio.open_unix_connection(path, limit=1 << 24)
+    try:
+        writer.write(json.dumps(req).encode() + b"\n")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+    finally:
+        writer.close()
+    if not line:
+        raise CtlError(f"ppiped closed the connection on {path} without answering", 3)
+    return json.loads(line)
+
+
+def _weights(items: list[str] | None) -> dict[str, float] | None:
+    if not items:
+        return None
+    out: dict[str, float] = {}
+    for item in ",".join(items).split(","):
+        name, sep, w = item.partition("=")
+        try:
+            out[name.strip()] = float(w)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise CtlError(f"--weights: expected MODEL=WEIGHT[,MODEL=WEIGHT...], got {item!r}", 2)
+    return out
+
+
+def _print_status(st: dict[str, Any]) -> None:
+    print(f"plan v{st['plan_version']} ({st['plan']}), {st['state']}, up {st['uptime_s']:.0f} s, "
+          f"vGPUs {st['vgpus']['alive']}/{st['vgpus']['total']} alive, queued {st['queued']}, "
+          f"in flight {st['in_flight_batches']} batches")
+    print(f"{'model':<16} {'rate rps':>9} {'weight':>7} {'slo ms':>7} {'ok':>9} {'dropped':>8} "
+          f"{'rejected':>8} {'attain':>7} {'queued':>6}")
+    for m, d in st["models"].items():
+        print(f"{m:<16} {d['rate_rps']:>9.1f} {d['weight']:>7.3g} {d['slo_ms']:>7.1f} {d['ok']:>9} "
+              f"{d['dropped']:>8} {d['rejected']:>8} {100 * d['attainment']:>6.2f}% {d['queued']:>6}")
+    _print_executors(st["executors"])
+    last = st.get("replan", {}).get("last")
+    if last:
+        print(f"last replan: {json.dumps(last)}")
+
+
+def _print_executors(execs: list[dict[str, Any]]) -> None:
+    print(f"{'vGPUs':<10} {'pid':>7} {'backend':<8} {'health':<8} {'silent ms':>9}  assignment")
+    for e in execs:
+        print(f"{e['vgpus']:<10} {e['pid']:>7} {e['backend']:<8} {e['health']:<8} {e['silent_ms']:>9.1f}  "
+              f"{'; '.join(e['assignments'])}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ppiped-ctl", description="Operate a running ppiped daemon.")
+    ap.add_argument("--socket", help=f"the daemon's ctl socket (default: from --config, else {DEFAULT_SOCKET})")
+    ap.add_argument("--config", help="ppiped.toml to read ctl.socket from")
+    ap.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
+    ap.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sub.add_parser("status", help="plan version, per-model rate and attainment, queue, executors")
+    sub.add_parser("plan", help="the plan in force, as `ppiped plan` prints it")
+    sub.add_parser("executors", help="executors, their vGPUs, assignments and health")
+    d = sub.add_parser("drain", help="refuse new requests and wait until the queued ones are answered")
+    d.add_argument("--off", action="store_true", help="accept requests again")
+    d.add_argument("--wait-s", type=float, default=30.0, help="longest wait for the queue to empty")
+    r = sub.add_parser("replan", help="plan again for the measured (or given) mix and migrate to it")
+    r.add_argument("--weights", action="append", metavar="MODEL=W[,MODEL=W]",
+                   help="load weights (default: the measured arrival rates)")
+    r.add_argument("--plan-file", help="migrate to this plan file instead of planning")
+    r.add_argument("--dry-run", action="store_true", help="plan and print, do not migrate")
+    r.add_argument("--wait", action="store_true", help="wait until the migration is done")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        path = socket_path(args.socket, args.config)
+        req: dict[str, Any] = {"cmd": args.cmd}
+        timeout = args.timeout
+        if args.cmd == "drain":
+            req.update(off=args.off, timeout_s=args.wait_s)
+            timeout = max(timeout, args.wait_s + 5)
+        elif args.cmd == "replan":
+            req.update(weights=_weights(args.weights), dry_run=args.dry_run, wait=args.wait)
+            if args.plan_file:
+                req["plan_file"] = os.path.abspath(args.plan_file)
+            if args.wait or args.dry_run:
+                timeout = max(timeout, 600.0)
+        out = call(path, req, timeout)
+    except CtlError as e:
+        print(f"ppiped-ctl: {e}", file=sys.stderr)
+        return e.code
+    except ValueError as e:  # a config error (ConfigError is a ValueError) or a garbled answer
+        print(f"ppiped-ctl: {e}", file=sys.stderr)
+        return 2
+    if not out.get("ok"):
+        print(f"ppiped-ctl: {args.cmd}: {out.get('error', 'failed')}", file=sys.stderr)
+        if args.json:
+            print(json.dumps(out, indent=1))
+        return 1
+    if args.json:
+        print(json.dumps(out, indent=1))
+    elif args.cmd == "status":
+        _print_status(out)
+    elif args.cmd == "plan":
+        print(f"plan v{out['version']} ({out['source']})")
+        print(out["table"])
+    elif args.cmd == "executors":
+        _print_executors(out["executors"])
+    elif args.cmd == "drain":
+        print("accepting requests again" if not out["draining"] else
+              ("drained: no request queued or in flight" if out["drained"] else
+               f"draining: {out['left']} requests still queued or in flight"))
+    elif args.cmd == "replan":
+        if out.get("started") and "plan" not in out:
+            print(f"replan started (plan v{out['version']} in force); see `ppiped-ctl status`")
+        else:
+            if "plan" in out:
+                print(out["plan"])
+            print(json.dumps({k: v for k, v in out.items() if k != "plan"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

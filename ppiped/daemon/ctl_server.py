@@ -1,0 +1,170 @@
+"""The ``ppiped-ctl`` endpoint: newline-delimited JSON over a unix socket, on the daemon's loop.
+
+A request is one line ``{"cmd": "status", ...}``; the answer is one line, ``{"ok": true, ...}``
+or ``{"ok": false, "error": "..."}``. Access control is the file system's: the socket is created
+with mode ``ctl.mode`` (0660) and, if ``ctl.group`` is set, that group, so operators are granted
+access by group membership rather than by a password.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import json
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from .. import logs
+from ..errors import InputError
+from ..plan import format_plan_table, load_plan
+from .config import ConfigError, format_ranges
+from .loop import now_us
+
+if TYPE_CHECKING:
+    from .server import Server
+
+log = logs.get("ppiped.ctl")
+
+COMMANDS = ("status", "plan", "executors", "drain", "replan")
+MAX_LINE = 1 << 20
+
+
+class CtlServer:
+    def __init__(self, srv: Server, path: str, mode: int = 0o660, group: str = "") -> None:
+        self.srv, self.path, self.mode, self.group = srv, path, mode, group
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        gid = -1
+        if self.group:
+            try:
+                gid = grp.getgrnam(self.group).gr_gid
+            except KeyError:
+                raise ConfigError(f"{self.srv.cfg.source}: ctl.group: no group named {self.group!r}") from None
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a stale socket of a previous run
+        old = os.umask(0o777 & ~self.mode)  # never a moment with wider permissions than asked
+        try:
+            self.server = await asyncio.start_unix_server(self._handle, self.path, limit=MAX_LINE)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, self.mode)
+        if gid >= 0:
+            os.chown(self.path, -1, gid)
+        log.info("ctl-listening", path=self.path, mode=oct(self.mode), group=self.group or "-")
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), 1.0)
+            self.server = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                try:
+                    req = json.loads(line)
+                    if not isinstance(req, dict):
+                        raise ValueError("expected a JSON object")
+                    out = await self.command(req)
+                except (ValueError, InputError) as e:
+                    out = {"ok": False, "error": str(e)}
+                writer.write(json.dumps(out).encode() + b"\n")
+                await writer.drain()
+        except (ConnectionError, asyncio.LimitOverrunError, asyncio.IncompleteReadError, ValueError):
+            pass
+        finally:
+            with contextlib.suppress(ConnectionError, OSError):
+                writer.close()
+
+    async def command(self, req: dict[str, Any]) -> dict[str, Any]:
+        cmd = req.get("cmd")
+        srv = self.srv
+        if cmd == "status":
+            return {"ok": True, **status(srv)}
+        if cmd == "plan":
+            return {"ok": True, "version": srv.plan_version, "source": srv.plan.source,
+                    "table": format_plan_table(srv.plan)}
+        if cmd == "executors":
+            return {"ok": True, "executors": executors(srv)}
+        if cmd == "drain":
+            return {"ok": True, **await drain(srv, bool(req.get("off")), float(req.get("timeout_s", 30.0)))}
+        if cmd == "replan":
+            return await self.replan(req)
+        raise InputError(f"unknown command {cmd!r} (known: {', '.join(COMMANDS)})")
+
+    async def replan(self, req: dict[str, Any]) -> dict[str, Any]:
+        srv = self.srv
+        w = req.get("weights")
+        weights = None
+        if w is not None:
+            if isinstance(w, dict):
+                unknown = sorted(set(w) - set(srv.model_names))
+                if unknown:
+                    raise InputError(f"weights: unknown model(s) {', '.join(unknown)} "
+                                     f"(the daemon serves {', '.join(srv.model_names)})")
+                w = [w.get(m, 0) for m in srv.model_names]
+            if not isinstance(w, list) or not all(isinstance(x, (int, float)) and x > 0 for x in w):
+                raise InputError("weights: expected a positive weight for every model")
+            weights = [float(x) for x in w]
+        plan = None
+        if req.get("plan_file"):  # migrate to a plan made elsewhere (e.g. `ppiped plan`)
+            plan = load_plan(req["plan_file"], srv.plan.cluster)
+        dry = bool(req.get("dry_run"))
+        task = srv.replanner.start(weights, dry, "ctl", plan)
+        if not (req.get("wait") or dry):
+            return {"ok": True, "started": True, "version": srv.plan_version}
+        return await asyncio.shield(task)
+
+
+def status(srv: Server) -> dict[str, Any]:
+    """What an operator looks at first: plan version, per-model rate and attainment, queue, executors."""
+    models = {}
+    for i, m in enumerate(srv.model_names):
+        s = srv.stats[i]
+        dropped = sum(s.dropped.values())
+        answered = s.ok + dropped
+        models[m] = {"rate_rps": round(srv.rates.rates[i], 2), "weight": srv.plan.model(m).weight,
+                     "slo_ms": srv.slo_us[i] / 1000, "accepted": s.accepted, "ok": s.ok, "dropped": dropped,
+                     "rejected": sum(s.rejected.values()),
+                     "attainment": s.ok / answered if answered else 1.0, "queued": srv.core.pending(i)}
+    alive = sum(len(e.vgpus) for e in srv.execs.values() if e.ready)
+    return {"plan_version": srv.plan_version, "plan": srv.plan.source, "uptime_s": (now_us() - srv.started) / 1e6,
+            "state": "holding" if srv.holding else ("draining" if srv.draining else "serving"),
+            "models": models, "queued": len(srv.reqs),
+            "in_flight_batches": sum(1 for b in srv.batches.values() if not b.answered),
+            "vgpus": {"total": srv.nv, "alive": alive}, "executors": executors(srv),
+            "replan": {"running": srv.replanner.busy, "auto": srv.cfg.replan_auto, "last": srv.replanner.last}}
+
+
+def executors(srv: Server) -> list[dict[str, Any]]:
+    t = now_us()
+    out = []
+    for e in srv.execs.values():
+        silent = (t - e.last_seen) / 1000
+        health = "ready" if e.ready else ("loading" if e.rewelcome or silent < srv.cfg.heartbeat_timeout_ms
+                                          else "silent")
+        out.append({"vgpus": format_ranges(e.vgpus), "pid": e.pid, "backend": e.backend, "endpoint": e.endpoint,
+                    "health": health, "silent_ms": round(silent, 1), "clock_offset_us": e.offset,
+                    "assignments": [f"{a.model}/p{a.pipeline}.{a.partition} [{a.start},{a.end}) {a.gpu} 1/{a.split}"
+                                    for a in (srv.assignments[v] for v in e.vgpus if v < srv.nv)]})
+    return out
+
+
+async def drain(srv: Server, off: bool, timeout_s: float) -> dict[str, Any]:
+    """Refuse new requests (``shutdown``/draining) and wait until queued and in-flight ones are answered."""
+    if off:
+        srv.draining = False
+        return {"draining": False}
+    srv.draining = True
+    end = time.monotonic() + max(0.0, timeout_s)
+    while (srv.reqs or any(not b.answered for b in srv.batches.values())) and time.monotonic() < end:
+        await asyncio.sleep(0.01)
+    left = len(srv.reqs) + sum(len(b.reqs) for b in srv.batches.values() if not b.answered)
+    return {"draining": True, "drained": left == 0, "left": left}

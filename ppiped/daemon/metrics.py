@@ -1,0 +1,172 @@
+"""Prometheus metrics: text exposition format over a tiny HTTP responder on the daemon's loop.
+
+The figures are read from the server's own counters when scraped, so serving pays nothing for
+them except the dispatch-decision histogram (a bisect per decision) and the reservation-error sum.
+No dependency: a scrape is one short GET, answered by an ``asyncio`` stream handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+from .loop import now_us
+
+if TYPE_CHECKING:
+    from .server import Server
+
+# dispatch-decision latency buckets, seconds (a decision should take microseconds)
+DECIDE_BUCKETS_S = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 2e-2)
+
+
+class Histogram:
+    """Cumulative-bucket histogram; ``observe`` is a bisect and two additions."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.n = 0
+
+    def observe(self, x: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, x)] += 1
+        self.sum += x
+        self.n += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, acc = [], 0
+        for b, c in zip(self.bounds, self.counts):  # noqa: B905 - counts has one more (+Inf)
+            acc += c
+            out.append(f'{name}_bucket{{le="{b:g}"}} {acc}')
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
+        out.append(f"{name}_sum {self.sum:.9g}")
+        out.append(f"{name}_count {self.n}")
+        return out
+
+
+class Metrics:
+    """What the server records for metrics beyond its own counters."""
+
+    def __init__(self) -> None:
+        self.decide = Histogram(DECIDE_BUCKETS_S)
+        self.res_err_sum_s = 0.0  # |actual end - reserved end| of a batch's last hop
+        self.res_err_n = 0
+        self.replan_s = 0.0
+        self.replans: dict[str, int] = {}
+        self.pause_s = 0.0
+
+    def reservation_error(self, err_us: float) -> None:
+        self.res_err_sum_s += abs(err_us) / 1e6
+        self.res_err_n += 1
+
+
+def _esc(v: Any) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _labels(**kw: Any) -> str:
+    return "{" + ",".join(f'{k}="{_esc(v)}"' for k, v in kw.items()) + "}"
+
+
+def render(srv: Server) -> str:
+    """The exposition text for one scrape."""
+    m = srv.metrics
+    lines: list[str] = []
+
+    def head(name: str, kind: str, help_: str) -> None:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} {kind}")
+
+    names = srv.model_names
+    head("ppiped_requests_total", "counter", "Requests accepted into the queue.")
+    for i, n in enumerate(names):
+        lines.append(f"ppiped_requests_total{_labels(model=n)} {srv.stats[i].accepted}")
+    head("ppiped_replies_total", "counter", "Replies sent, by outcome (ok, dropped, rejected).")
+    for i, n in enumerate(names):
+        s = srv.stats[i]
+        for outcome, v in (("ok", s.ok), ("dropped", sum(s.dropped.values())),
+                           ("rejected", sum(s.rejected.values()))):
+            lines.append(f"ppiped_replies_total{_labels(model=n, outcome=outcome)} {v}")
+    head("ppiped_drops_total", "counter", "Requests dropped, by reason.")
+    for i, n in enumerate(names):
+        for reason, v in sorted(srv.stats[i].dropped.items()):
+            lines.append(f"ppiped_drops_total{_labels(model=n, reason=reason)} {v}")
+    head("ppiped_rejects_total", "counter", "Requests rejected at admission, by reason.")
+    for i, n in enumerate(names):
+        for reason, v in sorted(srv.stats[i].rejected.items()):
+            lines.append(f"ppiped_rejects_total{_labels(model=n, reason=reason)} {v}")
+    head("ppiped_attainment_ratio", "gauge", "Share of answered requests served within the SLO.")
+    for i, n in enumerate(names):
+        s = srv.stats[i]
+        answered = s.ok + sum(s.dropped.values())
+        lines.append(f"ppiped_attainment_ratio{_labels(model=n)} {s.ok / answered if answered else 1.0:.6g}")
+    head("ppiped_arrival_rate_rps", "gauge", "Measured arrival rate (EWMA), requests per second.")
+    for i, n in enumerate(names):
+        lines.append(f"ppiped_arrival_rate_rps{_labels(model=n)} {srv.rates.rates[i]:.6g}")
+    head("ppiped_queue_depth", "gauge", "Requests waiting in the scheduler's queue.")
+    for i, n in enumerate(names):
+        lines.append(f"ppiped_queue_depth{_labels(model=n)} {srv.core.pending(i)}")
+    head("ppiped_dispatch_decision_seconds", "histogram", "Time of one scheduling decision (core.decide).")
+    lines.extend(m.decide.lines("ppiped_dispatch_decision_seconds"))
+    head("ppiped_vgpu_busy_ratio", "gauge", "Share of time each vGPU ran batches since the plan took effect.")
+    lay = srv.layout
+    span = max(1, now_us() - srv.plan_since)
+    for v in range(srv.nv):
+        g = lay.pool_gpu[int(lay.v_pool[v])]
+        lines.append(f"ppiped_vgpu_busy_ratio{_labels(vgpu=v, gpu=g)} {min(1.0, srv.busy_us[v] / span):.6g}")
+    head("ppiped_vgpus_alive", "gauge", "vGPUs whose executor is ready.")
+    alive = sum(1 for v in range(srv.nv) if (e := srv.vgpu_exec[v]) is not None and e.ready)
+    lines.append(f"ppiped_vgpus_alive {alive}")
+    head("ppiped_reservation_error_seconds", "summary", "|actual - reserved| end of each batch's last hop.")
+    lines.append(f"ppiped_reservation_error_seconds_sum {m.res_err_sum_s:.9g}")
+    lines.append(f"ppiped_reservation_error_seconds_count {m.res_err_n}")
+    head("ppiped_plan_version", "gauge", "Version of the plan in force (1 at start, +1 per migration).")
+    lines.append(f"ppiped_plan_version {srv.plan_version}")
+    head("ppiped_replan_duration_seconds", "gauge", "Duration of the last replan (planning and migration).")
+    lines.append(f"ppiped_replan_duration_seconds {m.replan_s:.6g}")
+    head("ppiped_replan_pause_seconds", "gauge", "Dispatching pause of the last migration.")
+    lines.append(f"ppiped_replan_pause_seconds {m.pause_s:.6g}")
+    head("ppiped_replans_total", "counter", "Replans, by result.")
+    for r, v in sorted(m.replans.items()):
+        lines.append(f"ppiped_replans_total{_labels(result=r)} {v}")
+    return "\n".join(lines) + "\n"
+
+
+class MetricsServer:
+    """``GET /metrics`` on host:port; anything else is 404. Runs on the daemon's event loop."""
+
+    def __init__(self, srv: Server, host: str, port: int) -> None:
+        self.srv, self.host, self.port = srv, host, port
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._handle, self.host, self.port)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), 5.0)
+            while (h := await asyncio.wait_for(reader.readline(), 5.0)) not in (b"\r\n", b"\n", b""):
+                if len(h) > 8192:
+                    break
+            parts = line.decode("latin-1").split()
+            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] in ("/metrics", "/"):
+                body = render(self.srv).encode()
+                status, ctype = "200 OK", "text/plain; version=0.0.4; charset=utf-8"
+            else:
+                body, status, ctype = b"not found: try GET /metrics\n", "404 Not Found", "text/plain"
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                         "Connection: close\r\n\r\n".encode() + body)
+            await writer.drain()
+        except (TimeoutError, ConnectionError, UnicodeDecodeError):
+            pass
+        finally:
+            with contextlib.suppress(ConnectionError, OSError):
+                writer.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), 1.0)
