@@ -100,14 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     lo, hi = args.at - 30.0, args.at + 30.0
     window = [hit for ts, hit in report["samples"] if lo <= ts < hi]
     att = sum(window) / len(window) if window else float("nan")
+    series: dict[int, list[int]] = {}
+    for ts, hit in report["samples"]:
+        series.setdefault(int(ts // 5), []).append(hit)
     lines = [
         {"metric": "unanswered", "value": t["no_reply"], "sent": t["sent"], "target": 0},
         {"metric": "dispatch_pause_ms", "value": rp.get("pause_ms"), "limit_ms": max_slo + 100,
          "ok": rp.get("pause_ms") is not None and rp["pause_ms"] <= max_slo + 100},
         {"metric": "attainment_around_replan", "value": att, "window_s": [max(0.0, lo), min(args.duration, hi)],
          "requests": len(window), "target": 0.98, "dropped": t["dropped"], "rejected": t["rejected"]},
+        {"metric": "attainment_per_5s", "value": {f"{5 * k}s": round(sum(v) / len(v), 4)
+                                                  for k, v in sorted(series.items())}},
         {"metric": "replan", **{k: v for k, v in rp.items() if k != "plan"},
-         "plan_version_after": st.get("plan") and rp.get("version"), "rates": rates},
+         "plan_version_after": rp.get("version"), "vgpus_alive_after": (st.get("vgpus") or {}).get("alive"),
+         "rates": rates},
     ]
     for line in lines:
         print(json.dumps(line))

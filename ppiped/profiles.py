@@ -173,11 +173,22 @@ def load_profiles(directory: str | Path, models: Iterable[str] | None = None) ->
             out[m] = load_profile(p)
         return out
     for p in sorted(directory.glob("*.json")):
+        if _declares_other_format(p):
+            continue
         prof = load_profile(p)
         out[prof.model] = prof
     if not out:
         raise ProfileError(f"{directory}: no profile files (*.json)")
     return out
+
+
+def _declares_other_format(path: Path) -> bool:
+    """A plan or other ppiped file kept beside the profiles: not a profile, and not an error."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(d, dict) and d.get("format", PROFILE_FORMAT) != PROFILE_FORMAT
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:

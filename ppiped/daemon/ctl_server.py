@@ -13,6 +13,7 @@ import contextlib
 import grp
 import json
 import os
+import socket
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -44,8 +45,15 @@ class CtlServer:
             except KeyError:
                 raise ConfigError(f"{self.srv.cfg.source}: ctl.group: no group named {self.group!r}") from None
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # a stale socket of a previous run
+        if os.path.exists(self.path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(self.path)
+                raise ConfigError(f"{self.srv.cfg.source}: ctl.socket: another ppiped listens on {self.path}")
+            except OSError:
+                os.unlink(self.path)  # a stale socket of a daemon that died
+            finally:
+                probe.close()
         old = os.umask(0o777 & ~self.mode)  # never a moment with wider permissions than asked
         try:
             self.server = await asyncio.start_unix_server(self._handle, self.path, limit=MAX_LINE)

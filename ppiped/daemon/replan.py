@@ -20,8 +20,10 @@ core drops (with a reply) whatever it can no longer serve in time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
+import signal
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -156,19 +158,38 @@ class Replanner:
         # this large process's page tables on the loop thread (tens of ms without dispatching);
         # the subprocess module uses vfork() off the loop
         task = asyncio.get_running_loop().run_in_executor(None, plan_in_subprocess, req)
-        for _ in range(20):  # the child is CPU-heavy for a while: let serving have the CPU first
-            await asyncio.sleep(0.002)
-            if renice_children("ppiped.planner.solve") or task.done():
-                break
-        return await task
+        try:
+            for _ in range(20):  # the child is CPU-heavy for a while: let serving have the CPU first
+                await asyncio.sleep(0.002)
+                if renice_children(PLANNER) or task.done():
+                    break
+            return await task
+        except asyncio.CancelledError:  # shutdown: do not leave the thread waiting on CBC
+            for pid in children(PLANNER):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            raise
+
+
+PLANNER = "ppiped.planner.solve"
 
 
 def renice_children(marker: str, niceness: int = 19) -> int:
     """Lower the priority of this process's children whose command line contains ``marker``;
     returns how many. The planning child inherits the daemon's priority otherwise, and on a small
     host it would take CPU from the event loop while a migration is being prepared."""
-    me = os.getpid()
     n = 0
+    for pid in children(marker):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, pid, niceness)
+            n += 1
+    return n
+
+
+def children(marker: str) -> list[int]:
+    """PIDs of this process's children whose command line contains ``marker`` (Linux /proc)."""
+    me = os.getpid()
+    out = []
     for d in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not d.isdigit():
             continue
@@ -178,13 +199,11 @@ def renice_children(marker: str, niceness: int = 19) -> int:
             if int(stat.rsplit(b")", 1)[1].split()[1]) != me:
                 continue
             with open(f"/proc/{d}/cmdline", "rb") as f:
-                if marker.encode() not in f.read():
-                    continue
-            os.setpriority(os.PRIO_PROCESS, int(d), niceness)
-            n += 1
+                if marker.encode() in f.read():
+                    out.append(int(d))
         except (OSError, ValueError, IndexError):
             continue
-    return n
+    return out
 
 
 def _new_core(srv: Server, plan: Plan) -> Scheduler:
