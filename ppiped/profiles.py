@@ -168,7 +168,7 @@ def load_profiles(directory: str | Path, models: Iterable[str] | None = None) ->
         for m in wanted:
             p = directory / f"{m}.json"
             if not p.exists():
-                have = sorted(q.stem for q in directory.glob("*.json"))
+                have = sorted(q.stem for q in directory.glob("*.json") if not _declares_other_format(q))
                 raise ProfileError(f"unknown model {m!r}: no {p} (profiles here: {', '.join(have) or 'none'})")
             out[m] = load_profile(p)
         return out

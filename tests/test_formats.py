@@ -72,6 +72,8 @@ def test_profile_roundtrip_and_file_errors(tmp_path):
     (tmp_path / "bad.json").unlink()
     (tmp_path / "plan.json").write_text(json.dumps({"format": "ppiped-plan/1"}))
     assert list(load_profiles(tmp_path)) == ["tiny"], "a plan beside the profiles is skipped"
+    with pytest.raises(ProfileError, match=r"profiles here: tiny\)"):
+        load_profiles(tmp_path, ["nope"])
 
 
 def test_shared_profiles_load(shared_profiles):
