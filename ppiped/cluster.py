@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tomllib
+from .readfile import read_toml
 
 
 class ClusterError(ValueError):
@@ -97,13 +97,7 @@ def cluster_from_json(d: Any, source: str = "cluster") -> Cluster:
 
 def load_cluster(path: str | Path) -> Cluster:
     path = Path(path)
-    try:
-        d = tomllib.loads(path.read_text())
-    except OSError as e:
-        raise ClusterError(f"{path}: cannot read: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ClusterError(f"{path}: not valid TOML: {e}") from None
-    return cluster_from_json(d, str(path))
+    return cluster_from_json(read_toml(path, ClusterError), str(path))
 
 
 def _csv(s: str, key: str) -> list[str]:

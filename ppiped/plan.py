@@ -17,6 +17,7 @@ from typing import Any
 
 from .cluster import Cluster, ClusterError, cluster_from_json
 from .profiles import Profile
+from .readfile import read_json
 
 PLAN_FORMAT = "ppiped-plan/1"
 
@@ -439,14 +440,7 @@ def import_reference(path: str | Path, cluster: Cluster | None = None,
 def load_plan(path: str | Path, cluster: Cluster | None = None) -> Plan:
     """Read a ``ppiped-plan/1`` file, or a PPipe reference plan file as is."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise PlanError(f"{path}: cannot read: {e.strerror}") from None
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{path}: not valid JSON: {e}") from None
+    d = read_json(path, PlanError)
     if isinstance(d, list):
         return import_reference(path, cluster)
     return plan_from_json(d, str(path))

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from .readfile import read_json
+
 PROFILE_FORMAT = "ppiped-profile/1"
 
 
@@ -148,13 +150,7 @@ def profile_from_json(d: Any, source: str = "<memory>") -> Profile:
 
 def load_profile(path: str | Path) -> Profile:
     path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except OSError as e:
-        raise ProfileError(f"{path}: cannot read: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ProfileError(f"{path}: not valid JSON: {e}") from None
-    return profile_from_json(d, str(path))
+    return profile_from_json(read_json(path, ProfileError), str(path))
 
 
 def load_profiles(directory: str | Path, models: Iterable[str] | None = None) -> dict[str, Profile]:

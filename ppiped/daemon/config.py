@@ -1,5 +1,7 @@
 """The serving config (TOML) read by ``ppiped serve`` and ``ppiped-executor``.
 
+
+
 Every key is validated and an error names it (``ppiped.toml: limits.max_payload_bytes: ...``).
 Relative paths are relative to the config file. See ``plans/ppiped.toml`` for every key.
 
@@ -15,9 +17,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from ..errors import InputError
+from ..readfile import read_toml
 
 BACKENDS = ("emulate", "ort", "trt")
 
@@ -315,13 +316,7 @@ def _ops_tables(top: _Table, cfg: ServeConfig, base: Path) -> None:
 
 def load_config(path: str | Path) -> ServeConfig:
     path = Path(path)
-    try:
-        d = tomllib.loads(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    return config_from_dict(d, path)
+    return config_from_dict(read_toml(path, ConfigError), path)
 
 
 def format_ranges(vs: list[int]) -> str:
