@@ -176,6 +176,38 @@ def find_handle(A, tb, r, h):
     return -1
 
 
+@njit(i8(F1, I1, TB, i8, i8, f8), cache=True)
+def find_handle_near(F, A, tb, r, h, t):
+    """:func:`find_handle`, searching outwards from the intervals that start around ``t``: a
+    report names a reservation that started about when it really ran, while the row also holds
+    the reservations before it (until the next GC) and after it (about one SLO ahead)."""
+    base = r * tb[5]
+    os = tb[0] + base
+    oh = tb[2] + base
+    lo = A[tb[3] + r]
+    hi = A[tb[4] + r]
+    a = lo
+    b = hi
+    while a < b:  # first interval starting at or after t
+        m = (a + b) >> 1
+        if F[os + m] < t:
+            a = m + 1
+        else:
+            b = m
+    i = a - 1
+    j = a
+    while i >= lo or j < hi:
+        if j < hi:
+            if A[oh + j] == h:
+                return j
+            j += 1
+        if i >= lo:
+            if A[oh + i] == h:
+                return i
+            i -= 1
+    return -1
+
+
 @njit(i8(F1, I1, TB, i8, i8, f8, f8, f8), cache=True)
 def correct(F, A, tb, r, h, a, b, horizon):
     """Feedback correction: make row ``r`` say that reservation ``h`` really used ``[a, b)``.
@@ -188,7 +220,7 @@ def correct(F, A, tb, r, h, a, b, horizon):
     changed then; grow the table and call again).
     """
     cap = tb[5]
-    i = find_handle(A, tb, r, h)
+    i = find_handle_near(F, A, tb, r, h, a)
     add = b > a and b > horizon
     if add and i < 0 and room(A, tb, r) <= 0:
         return 1

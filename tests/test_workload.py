@@ -56,3 +56,30 @@ def test_azure_replay_rescaled(tmp_path):
         azure_functions(tmp_path / "bad.csv", 1, 1, rng)
     with pytest.raises(InputError, match="unknown trace"):
         generate("nosuchfile.csv", [1], 1, seed=0)
+
+
+def test_azure_fold_overlays_windows_like_the_ppipe_artifact(tmp_path):
+    f = tmp_path / "azure.csv"
+    # bursts: 40 invocations within 10 ms at the start of every second, 200 s long (8000 in all)
+    starts = np.sort(np.concatenate([s + np.linspace(0, 0.01, 40) for s in range(200)]))
+    with f.open("w") as fh:
+        fh.write("app,func,end_timestamp,duration\n")
+        for s in starts:
+            fh.write(f"a,f,{s + 0.25:.6f},0.25\n")
+    rate = 4000.0  # 100 x the native 40/s: 100 windows of 2 s are overlaid
+    t = azure_functions(f, rate, 10, np.random.default_rng(0), scale="fold")
+    assert t[0] == 0.0 and np.all(np.diff(t) >= 0)
+    assert len(t) / 10 == pytest.approx(rate, rel=0.05)
+    # the artifact's scaleTrace: x mod (span / k), sorted, replayed gap by gap from 0
+    span = starts[-1] - starts[0]
+    seg = span / (rate / ((len(starts) - 1) / span))
+    ref = np.sort(starts % seg)
+    ref = (ref - ref[0]) * 1e6
+    n = min(len(ref), len(t))
+    np.testing.assert_allclose(t[:n], ref[:n], rtol=0, atol=1.0)  # the file keeps µs
+    # no randomness: the seed does not matter
+    assert np.array_equal(t, azure_functions(f, rate, 10, np.random.default_rng(9), scale="fold"))
+    tr = generate(str(f), [rate, rate / 2], 10, seed=1, trace_scale="fold")
+    assert np.bincount(tr.model).tolist() == [len(t), len(azure_functions(f, rate / 2, 10, None, scale="fold"))]
+    with pytest.raises(InputError, match="trace scaling"):
+        azure_functions(f, rate, 10, np.random.default_rng(0), scale="squash")

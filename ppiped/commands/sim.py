@@ -18,6 +18,9 @@ def add_world_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default="poisson",
                    help="poisson, bursty, or an Azure Functions 2021 trace file (default poisson)")
     p.add_argument("--cv", type=float, default=4.0, help="bursty: coefficient of variation of the gaps (default 4)")
+    p.add_argument("--trace-scale", choices=("stretch", "fold"), default="stretch",
+                   help="trace files: compress the time axis to the rate (stretch, default) or overlay "
+                        "rate/native-rate windows of the trace as the PPipe artifact does (fold)")
     p.add_argument("--duration", type=float, default=30.0, help="simulated seconds of arrivals (default 30)")
     p.add_argument("--seed", type=int, default=0, help="seeds the trace and the latency jitter")
     p.add_argument("--policy", default="ppipe", help="ppipe (reservations), reactive, ppipe-early-drop")
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             mid = args.duration * 1e6 / 2
             window = (mid, mid + 200e3)
     opt = options_from(args, timeline_us=window)
-    trace = generate(args.trace, list(rates), args.duration, args.seed, args.cv)
+    trace = generate(args.trace, list(rates), args.duration, args.seed, args.cv, args.trace_scale)
     res = simulate(plan, profiles, trace, args.policy, opt.sigma, args.seed, duration_s=args.duration,
                    options=opt)
     res.extra.update(trace=args.trace, load_factor=args.load_factor,

@@ -278,15 +278,15 @@ def v4_sibling(path: str | Path) -> Path:
 
 
 def load_factor_trace(plan: Plan, rates_at_1: np.ndarray, load_factor: float, kind: str,
-                      duration_s: float, seed: int, cv: float = 4.0) -> Trace:
-    return generate(kind, list(load_factor * rates_at_1), duration_s, seed, cv)
+                      duration_s: float, seed: int, cv: float = 4.0, trace_scale: str = "stretch") -> Trace:
+    return generate(kind, list(load_factor * rates_at_1), duration_s, seed, cv, trace_scale)
 
 
 def run_load_factor(plan_path: str | Path, profiles: dict[str, Profile], load_factor: float,
                     kind: str = "poisson", duration_s: float = 30.0, seed: int = 0,
                     policy: str = "ppipe", jitter: float = DEFAULT_SIGMA, cv: float = 4.0,
                     base_plan: str | Path | None = None, options: SimOptions | None = None,
-                    cache: dict | None = None) -> SimResult:
+                    cache: dict | None = None, trace_scale: str = "stretch") -> SimResult:
     """Simulate a plan file at ``load_factor`` x the base plan's per-model throughput.
 
     ``base_plan`` defaults to the ``_v4`` sibling of a reference plan (else the plan itself).
@@ -301,7 +301,7 @@ def run_load_factor(plan_path: str | Path, profiles: dict[str, Profile], load_fa
         rates = base_rates(bplan, [m.model for m in plan.models])
         cache[key] = (plan, rates, Layout.from_plan(plan, profiles))
     plan, rates, lay = cache[key]
-    trace = generate(kind, list(load_factor * rates), duration_s, seed, cv)
+    trace = generate(kind, list(load_factor * rates), duration_s, seed, cv, trace_scale)
     res = simulate(plan, profiles, trace, policy, jitter, seed, duration_s=duration_s, options=options,
                    layout=lay)
     res.extra.update(load_factor=load_factor, trace=kind)
@@ -343,6 +343,7 @@ class PointSpec:
     base_plan: str | None = None
     stop_below: float | None = None
     nic_fifo: bool = True
+    trace_scale: str = "stretch"  # trace files: stretch or fold (see workload.azure_functions)
 
     def result(self, load_factor: float, stop: bool = True, timeline_us: tuple[float, float] | None = None
                ) -> SimResult:
@@ -350,7 +351,8 @@ class PointSpec:
                          stop_below=self.stop_below if stop else None, timeline_us=timeline_us,
                          nic_fifo=self.nic_fifo)
         return run_load_factor(self.plan, _profiles(self.profiles), load_factor, self.trace, self.duration_s,
-                               self.seed, self.policy, self.sigma, self.cv, self.base_plan, opt, _PLANS)
+                               self.seed, self.policy, self.sigma, self.cv, self.base_plan, opt, _PLANS,
+                               self.trace_scale)
 
     def __call__(self, load_factor: float) -> float:
         return self.result(load_factor).min_attainment

@@ -61,14 +61,28 @@ def gamma_bursty(rate_rps: float, duration_s: float, rng: np.random.Generator, c
     return _renewal(lambda n: rng.gamma(shape, scale, n), rate_rps, duration_s, rng)
 
 
+TRACE_SCALES = ("stretch", "fold")
+
+
 def azure_functions(path: str | Path, rate_rps: float, duration_s: float,
-                    rng: np.random.Generator) -> np.ndarray:
-    """Replay an Azure Functions 2021 invocation trace, rescaled in time to ``rate_rps``.
+                    rng: np.random.Generator, scale: str = "stretch") -> np.ndarray:
+    """Replay an Azure Functions 2021 invocation trace at mean rate ``rate_rps``.
 
     The file has columns ``app, func, end_timestamp, duration`` (seconds); an invocation arrives
-    at ``end_timestamp - duration``. The trace's own burstiness is kept; only its time axis is
-    stretched so that its mean rate is ``rate_rps``. A trace shorter than the horizon repeats.
+    at ``end_timestamp - duration``. Two ways to reach the rate:
+
+    * ``stretch``: the time axis is compressed so that the whole trace's mean rate is
+      ``rate_rps``; its own burstiness is kept. A trace shorter than the horizon repeats, from a
+      random phase (so seeds differ).
+    * ``fold``: what the PPipe artifact does for its bursty ("MAF21") runs
+      (``cluster-sim/.../TraceRequestGenerator.java``, ``scaleTrace``): with ``k`` = rate_rps /
+      the trace's native rate, the trace is cut into ``k`` segments of ``span / k`` seconds that
+      are overlaid (arrival ``x`` goes to ``x mod (span / k)``), and the overlay is replayed from
+      its first arrival (gaps in order; the segment repeats). Overlaying many windows of the
+      trace smooths it a lot; the artifact uses no randomness here, so neither does this.
     """
+    if scale not in TRACE_SCALES:
+        raise InputError(f"trace scaling must be one of {', '.join(TRACE_SCALES)}, got {scale!r}")
     path = Path(path)
     try:
         with path.open(newline="") as f:
@@ -87,6 +101,8 @@ def azure_functions(path: str | Path, rate_rps: float, duration_s: float,
         raise InputError(f"{path}: cannot read trace: {e.strerror}") from None
     if len(starts) < 2:
         raise InputError(f"{path}: trace has fewer than 2 invocations")
+    if scale == "fold":
+        return _fold(np.asarray(starts, dtype=np.float64), rate_rps, duration_s, path)
     t = np.sort(np.asarray(starts))
     t -= t[0]
     span = t[-1]
@@ -103,9 +119,30 @@ def azure_functions(path: str | Path, rate_rps: float, duration_s: float,
     return out[out < horizon]
 
 
+def _fold(starts: np.ndarray, rate_rps: float, duration_s: float, path: Path) -> np.ndarray:
+    """The PPipe artifact's ``scaleTrace`` + replay (see :func:`azure_functions`)."""
+    t = np.sort(starts)
+    span = t[-1] - t[0]
+    if span <= 0:
+        raise InputError(f"{path}: all invocations arrive at the same instant")
+    native = (len(t) - 1) / span
+    segment = span / (rate_rps / native)
+    folded = np.sort(t % segment)
+    # the gaps in order; when the overlay is used up it starts again one segment later (the
+    # artifact cycles the gaps without this last one, but its runs never get that far)
+    gaps = np.append(np.diff(folded), segment - folded[-1] + folded[0]) * 1e6
+    horizon = duration_s * 1e6
+    # arrival 0 at t = 0, then the gaps in order, cycling
+    per_cycle = float(gaps.sum())
+    reps = int(horizon // per_cycle) + 1 if per_cycle > 0 else 1
+    out = np.concatenate([[0.0], np.cumsum(np.tile(gaps, reps))])
+    return out[out < horizon]
+
+
 def generate(kind: str, rates_rps: Sequence[float], duration_s: float, seed: int,
-             cv: float = 4.0) -> Trace:
-    """Arrivals for several models at once; ``kind`` is poisson, bursty or a trace file path."""
+             cv: float = 4.0, trace_scale: str = "stretch") -> Trace:
+    """Arrivals for several models at once; ``kind`` is poisson, bursty or a trace file path
+    (replayed per ``trace_scale``, see :func:`azure_functions`)."""
     rng = np.random.default_rng(seed)
     times, models = [], []
     for i, r in enumerate(rates_rps):
@@ -117,7 +154,7 @@ def generate(kind: str, rates_rps: Sequence[float], duration_s: float, seed: int
         elif kind == "bursty":
             t = gamma_bursty(r, duration_s, sub, cv)
         elif Path(kind).is_file():
-            t = azure_functions(kind, r, duration_s, sub) if r > 0 else np.empty(0)
+            t = azure_functions(kind, r, duration_s, sub, trace_scale) if r > 0 else np.empty(0)
         else:
             raise InputError(f"unknown trace {kind!r}: use poisson, bursty or an Azure trace file")
         times.append(t)
