@@ -6,13 +6,18 @@ replan --weights ... --wait`` plans for a 3:1 mix in a child process and migrate
 JSON lines:
 
 * ``{"metric": "unanswered", ...}``: requests that got no reply (must be 0);
-* ``{"metric": "dispatch_pause_ms", ...}``: the pause in dispatching vs the largest SLO + 100 ms;
+* ``{"metric": "dispatch_pause_ms", ...}``: the pause in dispatching vs the largest SLO + 100 ms,
+  whether the executors preloaded the new partitions while serving, and how long that took;
 * ``{"metric": "attainment_around_replan", ...}``: attainment over the window around the replan
   (the whole run; the default is a minute with the replan in the middle);
 * ``{"metric": "replan", ...}``: the daemon's report (planning time, flush, moved requests).
 
     python bench/replan.py                 # one minute, replan at 30 s
     python bench/replan.py --duration 8 --at 4 --load 0.3
+    python bench/replan.py --no-preload    # executors load after the switch (the pause grows)
+
+Emulated executors take ``--load-ms`` to load a partition (a stand-in for a TensorRT engine load),
+so the difference preloading makes shows on an emulated cluster.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("tiny", "tiny2")
 
 
-def write_example(d: Path, *, metrics_port: int = 0, replan: str = "", weights: tuple[float, float] = (1.0, 1.0)
-                  ) -> tuple[Path, Any]:
+def write_example(d: Path, *, metrics_port: int = 0, replan: str = "", weights: tuple[float, float] = (1.0, 1.0),
+                  load_ms: int = 0) -> tuple[Path, Any]:
     """Profiles, a MILP plan of both models, and a serving config with a ctl socket; returns
     (config path, plan)."""
     from ppiped.daemon.launch import write_config
@@ -46,7 +51,7 @@ def write_example(d: Path, *, metrics_port: int = 0, replan: str = "", weights: 
     plan = plan_cluster(profiles, list(MODELS), list(weights), base.cluster, base.params, time_limit=20,
                         slos_us=[60_000.0, 60_000.0])
     save_plan(plan, d / "plan2.json")
-    extra = f'\n[ctl]\nsocket = "{d}/admin.sock"\n\n[metrics]\nport = {metrics_port}\n\n[replan]\n{replan}\n'
+    extra = f'emulate_load_ms = {load_ms}\n\n[ctl]\nsocket = "{d}/admin.sock"\n\n[metrics]\nport = {metrics_port}\n\n[replan]\n{replan}\n'
     cfg = write_config(d, d / "plan2.json", prof_dir, heartbeat_ms=50, timeout_ms=1000,
                        scheduler={"wait_guard_us": 25_000}, extra=extra)
     return cfg, plan
@@ -81,13 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--at", type=float, default=30.0, help="replan this many seconds into the load")
     ap.add_argument("--load", type=float, default=0.4, help="offered load / planned throughput, per model")
     ap.add_argument("--weights", default="tiny=3,tiny2=1", help="the mix to replan for")
+    ap.add_argument("--load-ms", type=int, default=250, help="emulated load time of one partition")
+    ap.add_argument("--no-preload", action="store_true", help="load after the switch (replan.preload_timeout_ms = 0)")
     ap.add_argument("--keep", help="keep config, plans and logs in this directory")
     args = ap.parse_args(argv)
     weights = {k: float(v) for k, v in (x.split("=") for x in args.weights.split(","))}
     with short_tmpdir("ppiped-replan-") as tmp:
         d = Path(args.keep) if args.keep else Path(tmp)
         d.mkdir(parents=True, exist_ok=True)
-        cfg, plan = write_example(d)
+        cfg, plan = write_example(d, load_ms=args.load_ms,
+                                  replan="preload_timeout_ms = 0" if args.no_preload else "")
         # the post-replan plan serves less of one model: offer what both plans can carry
         rates = {m.model: args.load * m.throughput_rps * 0.5 for m in plan.models}
         nv = sum(q.num_vgpus for m in plan.models for p in m.pipelines for q in p.partitions)
@@ -106,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         {"metric": "unanswered", "value": t["no_reply"], "sent": t["sent"], "target": 0},
         {"metric": "dispatch_pause_ms", "value": rp.get("pause_ms"), "limit_ms": max_slo + 100,
-         "ok": rp.get("pause_ms") is not None and rp["pause_ms"] <= max_slo + 100},
+         "ok": rp.get("pause_ms") is not None and rp["pause_ms"] <= max_slo + 100,
+         "preload": rp.get("preload"), "preload_ms": rp.get("preload_ms"), "load_ms_max": rp.get("load_ms_max"),
+         "flush_ms": rp.get("flush_ms"), "switch_ms": rp.get("switch_ms"), "emulated_load_ms": args.load_ms},
         {"metric": "attainment_around_replan", "value": att, "window_s": [max(0.0, lo), min(args.duration, hi)],
          "requests": len(window), "target": 0.98, "dropped": t["dropped"], "rejected": t["rejected"]},
         {"metric": "attainment_per_5s", "value": {f"{5 * k}s": round(sum(v) / len(v), 4)

@@ -104,25 +104,29 @@ def _weights(items: list[str] | None) -> dict[str, float] | None:
 
 
 def _print_status(st: dict[str, Any]) -> None:
+    miss = st["vgpus"].get("missing")
     print(f"plan v{st['plan_version']} ({st['plan']}), {st['state']}, up {st['uptime_s']:.0f} s, "
-          f"vGPUs {st['vgpus']['alive']}/{st['vgpus']['total']} alive, queued {st['queued']}, "
+          f"vGPUs {st['vgpus']['alive']}/{st['vgpus']['total']} alive"
+          f"{f' ({miss} missing: no executor)' if miss else ''}, queued {st['queued']}, "
           f"in flight {st['in_flight_batches']} batches")
     print(f"{'model':<16} {'rate rps':>9} {'weight':>7} {'slo ms':>7} {'ok':>9} {'dropped':>8} "
           f"{'rejected':>8} {'attain':>7} {'queued':>6}")
     for m, d in st["models"].items():
         print(f"{m:<16} {d['rate_rps']:>9.1f} {d['weight']:>7.3g} {d['slo_ms']:>7.1f} {d['ok']:>9} "
               f"{d['dropped']:>8} {d['rejected']:>8} {100 * d['attainment']:>6.2f}% {d['queued']:>6}")
-    _print_executors(st["executors"])
+    _print_executors(st["executors"], st.get("missing", []))
     last = st.get("replan", {}).get("last")
     if last:
         print(f"last replan: {json.dumps(last)}")
 
 
-def _print_executors(execs: list[dict[str, Any]]) -> None:
+def _print_executors(execs: list[dict[str, Any]], missing: list[dict[str, Any]] = ()) -> None:
     print(f"{'vGPUs':<10} {'pid':>7} {'backend':<8} {'health':<8} {'silent ms':>9}  assignment")
     for e in execs:
         print(f"{e['vgpus']:<10} {e['pid']:>7} {e['backend']:<8} {e['health']:<8} {e['silent_ms']:>9.1f}  "
               f"{'; '.join(e['assignments'])}")
+    for m in missing:  # in the plan, but no executor registered for it: out of service
+        print(f"{m['vgpu']:<10} {'-':>7} {'-':<8} {'missing':<8} {'-':>9}  {m['assignment']}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"plan v{out['version']} ({out['source']})")
         print(out["table"])
     elif args.cmd == "executors":
-        _print_executors(out["executors"])
+        _print_executors(out["executors"], out.get("missing", []))
     elif args.cmd == "drain":
         print("accepting requests again" if not out["draining"] else
               ("drained: no request queued or in flight" if out["drained"] else

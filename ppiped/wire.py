@@ -49,6 +49,9 @@ class T(IntEnum):
     BYE = 25  # E→S       vgpus leaving on purpose
     ALIVE = 26  # S→E     (no fields) liveness probe: with mandatory routing, sending it fails at
     #                     once if the executor's connection is gone; executors ignore it
+    PREPARE = 27  # S→E   prep, assignments (as WELCOME's): load these now, keep serving the current
+    #                     ones; the assignment comes into force at the next WELCOME that carries it
+    PRELOADED = 28  # E→S prep, load_us, error ("": ready to switch): exactly one per PREPARE
 
 
 class Status(IntEnum):
@@ -68,6 +71,7 @@ BAD_INPUT = "bad-input"  # the executor could not use the frame (wrong size for 
 OVERLOADED = "overloaded"  # too many requests pending in the scheduler
 MALFORMED = "malformed"
 VERSION_MISMATCH = "version"
+MODEL_REMOVED = "model-removed"  # a replan removed the model while the request was queued
 UNREGISTERED = "unregistered"  # an executor spoke before registering (scheduler restarted): re-register
 VGPU_TAKEN = "vgpu-taken"  # another live executor serves that vGPU: retry (it may be about to die)
 
@@ -146,6 +150,8 @@ SCHEMAS: dict[int, tuple[Field, ...]] = {
     T.CANCEL: (("batches", _uints),),
     T.BYE: (("vgpus", _uints),),
     T.ALIVE: (),
+    T.PREPARE: (("prep", _uint), ("assignments", _list)),
+    T.PRELOADED: (("prep", _uint), ("load_us", _uint), ("error", _str)),
 }
 FEEDBACK_STRIDE = 6
 
@@ -260,6 +266,14 @@ def bye(vgpus: Sequence[int]) -> bytes:
 
 
 ALIVE_HEADER = _pack([VERSION, T.ALIVE])
+
+
+def prepare(prep: int, assignments: Sequence[list]) -> bytes:
+    return _pack([VERSION, T.PREPARE, prep, assignments])
+
+
+def preloaded(prep: int, load_us: int, error: str = "") -> bytes:
+    return _pack([VERSION, T.PRELOADED, prep, load_us, error])
 
 
 # --- the vGPU assignment carried by WELCOME -------------------------------------------------

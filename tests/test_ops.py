@@ -237,7 +237,7 @@ def test_ctl_socket_is_0660(ops):
 
 def test_ctl_status_plan_executors(ops, capsys):
     out = ctl.call(ops.sock, {"cmd": "status"})
-    assert out["ok"] and out["plan_version"] >= 1 and out["vgpus"] == {"total": 4, "alive": 4}
+    assert out["ok"] and out["plan_version"] >= 1 and out["vgpus"] == {"total": 4, "alive": 4, "missing": ""}
     assert set(out["models"]) == {"tiny", "tiny2"}
     assert {"rate_rps", "attainment", "queued", "weight"} <= set(out["models"]["tiny"])
     assert len(out["executors"]) == 2 and all(e["health"] == "ready" for e in out["executors"])
@@ -285,8 +285,10 @@ def test_replan_under_load_answers_every_request(ops):
     assert t["sent"] > 0 and t["no_reply"] == 0, t
     assert t["ok"] + t["dropped"] + t["rejected"] == t["sent"]
     assert rp["ok"], rp
-    for k in ("pause_ms", "flush_ms", "moved_requests", "plan_s"):
+    for k in ("pause_ms", "flush_ms", "moved_requests", "plan_s", "preload_ms", "switch_ms"):
         assert k in rp
+    # the executors loaded the new partitions while serving; the switch only swapped them in
+    assert rp["preload"] == "all" and rp["preloaded_executors"] == 2 and rp["stragglers"] == 0, rp
     after = ctl.call(ops.sock, {"cmd": "status"})
     assert after["plan_version"] == before["plan_version"] + 1
     assert after["vgpus"]["alive"] == 4 and after["state"] == "serving"
@@ -343,3 +345,218 @@ def test_drain_refuses_new_requests_then_resumes(ops, capsys):
     assert ctl.main(["--socket", ops.sock, "drain", "--off"]) == 0
     with Client(ops.cluster.client_endpoint, timeout_s=10) as c:
         assert c.submit("tiny", b"x" * 16) is not None
+
+
+# --- automatic replanning -----------------------------------------------------------------------
+
+def test_auto_replan_under_skewed_load():
+    """A daemon with a small drift threshold and minimum interval replans by itself when the mix
+    skews, then again when it flips, never sooner than the minimum interval after the last one;
+    every request is answered. Executors take 300 ms to load a partition and the daemon waits
+    100 ms for preloading, so the stragglers' fallback (load at the switch) runs too."""
+    from ppiped.commands.loadgen import run_load
+
+    min_s = 1.5
+    with short_tmpdir("ppiped-auto-") as tmp:
+        d = Path(tmp)
+        cfg, plan = _bench().write_example(
+            d, load_ms=300, replan=f"auto = true\ndrift = 0.1\nmin_interval_s = {min_s}\newma_s = 0.3\n"
+                                   "time_limit_s = 10\npreload_timeout_ms = 100\n")
+        sock = str(d / "admin.sock")
+        thr = {m.model: m.throughput_rps for m in plan.models}
+        with LocalCluster(cfg, [[0, 2], [1, 3]]) as c:
+            async def phases() -> list[dict]:
+                a = await run_load(c.client_endpoint, {"tiny": 0.25 * thr["tiny"], "tiny2": 0.02 * thr["tiny2"]}, 3.0)
+                b = await run_load(c.client_endpoint, {"tiny": 0.02 * thr["tiny"], "tiny2": 0.25 * thr["tiny2"]}, 3.0)
+                return [a, b]
+
+            reports = asyncio.run(phases())
+            end = time.monotonic() + 60
+            while True:  # the second replan may still be planning
+                st = ctl.call(sock, {"cmd": "status"})
+                autos = [h for h in st["replan"]["history"] if h["trigger"].startswith("drift")]
+                # done: two auto replans, and every executor back (a straggler joins after the resume)
+                if (len(autos) >= 2 and not st["replan"]["running"] and st["vgpus"]["alive"] == 4) \
+                        or time.monotonic() > end:
+                    break
+                time.sleep(0.1)
+    for r in reports:
+        assert r["total"]["sent"] > 0 and r["total"]["no_reply"] == 0, r["total"]
+    assert len(autos) >= 2, st["replan"]
+    assert all(h["ok"] and not h["dry_run"] for h in autos), autos
+    assert st["plan_version"] == 1 + len(autos)
+    hist = st["replan"]["history"]
+    for prev, nxt in zip(hist, hist[1:], strict=False):
+        assert nxt["started_s"] - prev["ended_s"] >= min_s - 0.01, hist
+    assert st["replan"]["min_interval_s"] == min_s
+    assert any(h["stragglers"] >= 1 for h in autos), autos
+    assert st["vgpus"]["alive"] == 4
+
+
+# --- a plan with other models and more vGPUs than executors (runs last: it changes the models) ---
+
+def test_replan_plan_file_changes_models_and_adds_vgpus(ops, capsys):
+    import zmq
+
+    from ppiped import wire
+    from ppiped.client import Client
+    from ppiped.cluster import GpuType
+    from ppiped.executor import tiny
+    from ppiped.plan import save_plan
+    from ppiped.planner import plan_cluster
+    from ppiped.profiles import profile_from_json
+
+    # tiny2 goes, tiny3 comes (its profile is new to the daemon), and the cluster grows to 6 GPUs
+    prof_dir = ops.dir / "profiles"
+    (prof_dir / "tiny3.json").write_text(json.dumps(tiny.profile_json(model="tiny3", block_us=(1000.0, 1500.0))))
+    profiles = {m: profile_from_json(json.loads((prof_dir / f"{m}.json").read_text()), m) for m in ("tiny", "tiny3")}
+    cl = ops.plan.cluster
+    bigger = type(cl)({"CPU": GpuType("CPU", 6, 1, (1,))}, cl.nic_gbps)
+    plan = plan_cluster(profiles, ["tiny", "tiny3"], [1.0, 1.0], bigger, ops.plan.params, time_limit=20,
+                        slos_us=[60_000.0, 60_000.0])
+    nv = sum(q.num_vgpus for m in plan.models for p in m.pipelines for q in p.partitions)
+    assert nv == 6
+    save_plan(plan, ops.dir / "plan3.json")
+    before = ctl.call(ops.sock, {"cmd": "status"})["plan_version"]
+    rates = {"tiny": 50.0, "tiny2": 50.0}
+    report, rp = asyncio.run(ops.bench.load_with_replan(
+        ops.cluster, ops.sock, rates, 2.0, 0.5, None, extra={"plan_file": str(ops.dir / "plan3.json")}))
+    t = report["total"]
+    assert t["sent"] > 0 and t["no_reply"] == 0, t  # tiny2's queued requests too: dropped model-removed
+    assert rp["ok"], rp
+    assert rp["version"] == before + 1 and rp["vgpus"] == 6 and rp["vgpus_missing"] == "4-5"
+    st = ctl.call(ops.sock, {"cmd": "status"})
+    assert set(st["models"]) == {"tiny", "tiny3"}
+    assert st["vgpus"]["total"] == 6 and st["vgpus"]["missing"] == "4-5" and st["vgpus"]["alive"] == 4
+    assert ctl.main(["--socket", ops.sock, "status"]) == 0
+    assert "missing" in capsys.readouterr().out
+    assert ctl.main(["--socket", ops.sock, "executors"]) == 0
+    assert sum("missing" in line for line in capsys.readouterr().out.splitlines()) == 2
+    # a removed model: rejected unknown-model, and the message says what happened
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ops.cluster.client_endpoint)
+    try:
+        sock.send_multipart([wire.submit("tiny2", 0, [7]), b"x" * 16])
+        assert sock.poll(10_000)
+        h = wire.decode(sock.recv_multipart()[0])
+    finally:
+        sock.close(0)
+    assert h[1] == wire.T.REPLY and h[2] == [7] and h[3] == wire.Status.REJECTED and h[4] == wire.UNKNOWN_MODEL
+    assert f"'tiny2' (it was removed by plan v{before + 1}" in h[5] and "tiny3" in h[5], h[5]
+    # the new vGPUs come into service when an executor registers for them
+    ops.cluster.groups.append([4, 5])
+    ops.cluster.executors.append(ops.cluster._start_executor(len(ops.cluster.groups) - 1))
+    end = time.monotonic() + 60
+    while ctl.call(ops.sock, {"cmd": "status"})["vgpus"]["alive"] < 6 and time.monotonic() < end:
+        time.sleep(0.05)
+    st = ctl.call(ops.sock, {"cmd": "status"})
+    assert st["vgpus"] == {"total": 6, "alive": 6, "missing": ""}
+    with Client(ops.cluster.client_endpoint, timeout_s=10) as c:
+        assert c.submit("tiny3", b"x" * 16) is not None  # the added model is served
+
+
+def test_switch_moves_kept_models_and_drops_removed_ones():
+    """replan.switch with stand-ins: queued requests of a removed model are answered model-removed,
+    the others move to the new core under the new plan's model index."""
+    from ppiped import wire
+    from ppiped.daemon.replan import switch
+
+    calls = []
+    old = SimpleNamespace(cancel=lambda rid, m: calls.append(("cancel", rid, m)))
+    new = SimpleNamespace(layout=SimpleNamespace(models=["c", "a"]),
+                          submit=lambda rid, m, a, d: calls.append(("submit", rid, m)))
+    reqs = {1: SimpleNamespace(model=0, arrival=1, deadline=2), 2: SimpleNamespace(model=1, arrival=1, deadline=2),
+            3: SimpleNamespace(model=0, arrival=1, deadline=2)}
+    dropped = []
+    srv = SimpleNamespace(core=old, model_names=["a", "b"], reqs=dict(reqs), batches={1: None},
+                          _drop_reqs=lambda rs, why: dropped.append(([r.model for r in rs], why)),
+                          install_plan=lambda plan, core: calls.append(("install",)), plan_version=2, execs={})
+    moved, removed = switch(srv, None, new)
+    assert (moved, removed) == (2, 1)
+    assert dropped == [([1], wire.MODEL_REMOVED)]  # counted under the old index of "b"
+    assert ("submit", 1, 1) in calls and ("submit", 3, 1) in calls and calls[-1] == ("install",)
+    assert srv.reqs[1].model == 1 and 2 not in srv.reqs and srv.batches == {}
+
+
+# --- permission denied, for real: ppiped-ctl as an unprivileged user -------------------------------
+
+NOBODY = 65534
+
+
+def _as_user(uid: int, gid: int):
+    def drop() -> None:
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+    return drop
+
+
+def _unprivileged_python() -> str:
+    """An interpreter that uid 65534 can run ``ppiped.ctl`` with (the venv may live under a home
+    directory it cannot enter); skips unless this runs as root and one exists."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run ppiped-ctl as another user")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    for exe in dict.fromkeys([sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]):
+        try:
+            p = subprocess.run([exe, "-c", "import ppiped.ctl"], env=env, cwd="/", capture_output=True,
+                               timeout=60, preexec_fn=_as_user(NOBODY, NOBODY))
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if p.returncode == 0:
+            return exe
+    pytest.skip(f"no python that uid {NOBODY} may run with {ROOT} importable")
+
+
+def test_ctl_permission_denied_and_group_access_as_unprivileged_user():
+    """A root-owned 0660 socket refuses uid 65534 (exit 4, a clear message); with ctl.group set to
+    its group, the socket takes that group and the same user gets in."""
+    import grp
+
+    from ppiped.daemon.ctl_server import CtlServer
+    from ppiped.executor import tiny
+    from ppiped.plan import plan_from_json
+
+    exe = _unprivileged_python()
+    try:
+        group = grp.getgrgid(NOBODY).gr_name
+    except KeyError:
+        group = ""
+    srv = SimpleNamespace(cfg=SimpleNamespace(source="ppiped.toml"), plan_version=1,
+                          plan=plan_from_json(tiny.plan_json(tiny.profile_json()), "tiny-plan"))
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+
+    async def ctl_as_nobody(path: str) -> tuple[int, str, str]:
+        p = await asyncio.create_subprocess_exec(exe, "-m", "ppiped.ctl", "--socket", path, "plan", env=env,
+                                                 cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                 preexec_fn=_as_user(NOBODY, NOBODY))
+        out, err = await asyncio.wait_for(p.communicate(), 60)
+        return p.returncode, out.decode(), err.decode()
+
+    async def go(d: str) -> None:
+        path = os.path.join(d, "ctl.sock")
+        cs = CtlServer(srv, path, 0o660)
+        await cs.start()
+        try:
+            st = os.stat(path)
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o660) and st.st_gid != NOBODY
+            rc, out, err = await ctl_as_nobody(path)
+            assert rc == 4, (rc, out, err)
+            assert f"permission denied on {path}" in err and "group" in err, err
+        finally:
+            await cs.close()
+        if not group:
+            return
+        cs = CtlServer(srv, path, 0o660, group)
+        await cs.start()
+        try:
+            assert os.stat(path).st_gid == NOBODY
+            rc, out, err = await ctl_as_nobody(path)
+            assert rc == 0 and "plan v1" in out, (rc, out, err)
+        finally:
+            await cs.close()
+
+    with short_tmpdir("ppiped-perm-") as d:
+        os.chmod(d, 0o755)  # the directory must not be what refuses: the socket's mode is under test
+        asyncio.run(go(d))

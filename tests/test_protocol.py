@@ -24,7 +24,7 @@ def test_every_constructor_round_trips():
         wire.peers({0: "ipc://a", 1: "ipc://b"}), wire.heartbeat(123, 0),
         wire.dispatch(9, [0, 3], [10, 20], [1, 2]), wire.forward(9, [0, 3], [10, 20], 1, [1, 2], None),
         wire.result(9, [1], None, [2, "bad-input: short"]), wire.feedback([0, 9, 0, 1, 2, 3]),
-        wire.cancel([9]), wire.bye([0]),
+        wire.cancel([9]), wire.bye([0]), wire.prepare(4, [a.to_wire()]), wire.preloaded(4, 1500, ""),
     ]
     for m in msgs:
         h = wire.decode(m)
@@ -32,6 +32,9 @@ def test_every_constructor_round_trips():
         assert len(m) < 200  # headers stay tiny
     b = wire.Assignment.from_wire(wire.decode(wire.welcome([a.to_wire()], 100))[2][0])
     assert b.to_wire() == a.to_wire()
+    # the daemon spots PRELOADED by its third byte without decoding (server._on_exec_ops)
+    assert wire.preloaded(2**40, 2**40, "x" * 300)[2] == T.PRELOADED
+    assert wire.decode(wire.prepare(4, [a.to_wire()]))[3] == [a.to_wire()]
 
 
 @pytest.mark.parametrize("raw, code, text", [

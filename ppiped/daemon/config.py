@@ -41,6 +41,7 @@ class ExecutorSettings:
     device: int = 0  # CUDA device
     split: int = 0  # vGPU split for CUDA MPS (0: from the scheduler's assignment)
     fp16_engine: bool = True  # build TensorRT engines with FP16 kernels allowed
+    emulate_load_ms: int = 0  # emulate: how long loading a partition takes (an engine load, emulated)
 
     def endpoint_for(self, vgpu: int) -> str:
         if self.data_endpoint:
@@ -86,6 +87,7 @@ class ServeConfig:
     replan_time_limit_s: float = 30.0
     replan_algo: str = "ppipe"
     replan_flush_timeout_ms: float = 0.0  # 0: the largest SLO + limits.result_grace_ms
+    replan_preload_timeout_ms: float = 60_000.0  # longest wait for executors to preload a new plan
 
     def ctl_socket_path(self) -> str:
         """Where the ctl socket lives: the configured path, else systemd's RuntimeDirectory, else
@@ -206,6 +208,7 @@ def _executor_settings(t: _Table, base: ExecutorSettings, allow_remote: bool) ->
         device=t.get("device", base.device, "int0"),
         split=t.get("split", base.split, "int0"),
         fp16_engine=t.get("fp16_engine", base.fp16_engine, "bool"),
+        emulate_load_ms=t.get("emulate_load_ms", base.emulate_load_ms, "int0"),
     )
     if s.backend not in BACKENDS:
         raise ConfigError(f"{t.source}: {t.key('backend')}: expected one of {', '.join(BACKENDS)}, "
@@ -311,6 +314,7 @@ def _ops_tables(top: _Table, cfg: ServeConfig, base: Path) -> None:
         raise ConfigError(f"{src}: replan.algo: expected ppipe, np or dart-r, got {cfg.replan_algo!r}")
     flush = rp.get("flush_timeout_ms", 0, "int0")
     cfg.replan_flush_timeout_ms = float(flush)
+    cfg.replan_preload_timeout_ms = float(rp.get("preload_timeout_ms", 60_000, "int0"))
     rp.done()
 
 

@@ -22,6 +22,7 @@ from ..errors import InputError
 from ..plan import format_plan_table, load_plan
 from .config import ConfigError, format_ranges
 from .loop import now_us
+from .replan import missing_vgpus
 
 if TYPE_CHECKING:
     from .server import Server
@@ -100,7 +101,7 @@ class CtlServer:
             return {"ok": True, "version": srv.plan_version, "source": srv.plan.source,
                     "table": format_plan_table(srv.plan)}
         if cmd == "executors":
-            return {"ok": True, "executors": executors(srv)}
+            return {"ok": True, "executors": executors(srv), "missing": missing(srv)}
         if cmd == "drain":
             return {"ok": True, **await drain(srv, bool(req.get("off")), float(req.get("timeout_s", 30.0)))}
         if cmd == "replan":
@@ -147,8 +148,10 @@ def status(srv: Server) -> dict[str, Any]:
             "state": "holding" if srv.holding else ("draining" if srv.draining else "serving"),
             "models": models, "queued": len(srv.reqs),
             "in_flight_batches": sum(1 for b in srv.batches.values() if not b.answered),
-            "vgpus": {"total": srv.nv, "alive": alive}, "executors": executors(srv),
-            "replan": {"running": srv.replanner.busy, "auto": srv.cfg.replan_auto, "last": srv.replanner.last}}
+            "vgpus": {"total": srv.nv, "alive": alive, "missing": format_ranges(missing_vgpus(srv))},
+            "executors": executors(srv), "missing": missing(srv),
+            "replan": {"running": srv.replanner.busy, "auto": srv.cfg.replan_auto, "last": srv.replanner.last,
+                       "history": srv.replanner.history, "min_interval_s": srv.cfg.replan_min_interval_s}}
 
 
 def executors(srv: Server) -> list[dict[str, Any]]:
@@ -160,9 +163,19 @@ def executors(srv: Server) -> list[dict[str, Any]]:
                                           else "silent")
         out.append({"vgpus": format_ranges(e.vgpus), "pid": e.pid, "backend": e.backend, "endpoint": e.endpoint,
                     "health": health, "silent_ms": round(silent, 1), "clock_offset_us": e.offset,
-                    "assignments": [f"{a.model}/p{a.pipeline}.{a.partition} [{a.start},{a.end}) {a.gpu} 1/{a.split}"
-                                    for a in (srv.assignments[v] for v in e.vgpus if v < srv.nv)]})
+                    "assignments": [_describe(srv.assignments[v]) for v in e.vgpus if v < srv.nv]})
     return out
+
+
+def missing(srv: Server) -> list[dict[str, Any]]:
+    """vGPUs of the plan with no executor registered (a replan that added vGPUs, or one that died):
+    out of service until an executor registers for them."""
+    return [{"vgpu": v, "health": "missing", "assignment": _describe(srv.assignments[v])}
+            for v in missing_vgpus(srv)]
+
+
+def _describe(a: Any) -> str:
+    return f"{a.model}/p{a.pipeline}.{a.partition} [{a.start},{a.end}) {a.gpu} 1/{a.split}"
 
 
 async def drain(srv: Server, off: bool, timeout_s: float) -> dict[str, Any]:

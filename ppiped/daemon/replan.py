@@ -4,14 +4,23 @@ The daemon measures each model's arrival rate (an EWMA of accepted requests), pl
 process (:func:`ppiped.planner.plan_async`, so the event loop never waits on CBC) with the plan's
 cluster and the measured mix, then migrates:
 
-1. preload: build and warm up the new plan's core while the old one keeps serving;
+1. preload, while serving: build and warm up the new plan's core, and send every executor its
+   next assignment (PREPARE); each loads the partitions that change in the background (a blocking
+   backend's load runs in its worker thread) and answers PRELOADED. The daemon waits for every
+   answer, at most ``replan.preload_timeout_ms``; a straggler falls back to loading at the switch;
 2. hold: stop dispatching; requests keep arriving into the deadline queue;
 3. flush: wait until every in-flight batch is answered (bounded; an overdue one is requeued);
 4. switch: move the queued requests into the new core with their original deadlines, hand every
    executor its new assignment at once (ERROR ``unregistered`` makes it re-register, and the
-   WELCOME it gets back carries the new partition), and count a vGPU in only when its executor
-   heartbeats after loading;
-5. resume: dispatching restarts as soon as the executors are back.
+   WELCOME it gets back carries the new partition: a preloaded executor only swaps its workers
+   in), and count a vGPU in only when its executor heartbeats after the swap;
+5. resume: dispatching restarts as soon as the preloaded executors are back (all of them, when
+   none preloaded); a straggler's vGPUs join when it is ready.
+
+The new plan may serve other models: requests queued for a model it drops are answered DROPPED
+``model-removed``, later ones are rejected ``unknown-model``; a model it adds is accepted from the
+switch on. It may also use more vGPUs than have executors: those stay out of service in the core
+(and show as missing in ``ppiped-ctl status``/``executors``) until an executor registers for them.
 
 Every request is answered: queued ones move, in-flight ones finish or are requeued, and the new
 core drops (with a reply) whatever it can no longer serve in time.
@@ -31,6 +40,7 @@ from .. import logs, wire
 from ..core.scheduler import Scheduler
 from ..errors import InputError
 from ..plan import Plan, format_plan_table
+from .config import format_ranges
 from .loop import Timers, now_us
 
 if TYPE_CHECKING:
@@ -48,6 +58,12 @@ class RateMeter:
         self.last = [0] * n
         self.t = now_us()
         self.samples = 0
+
+    def remap(self, old: list[str], new: list[str]) -> None:
+        """The plan's models changed: keep each kept model's rate, start added ones at zero."""
+        r, c = dict(zip(old, self.rates, strict=True)), dict(zip(old, self.last, strict=True))
+        self.rates = [r.get(m, 0.0) for m in new]
+        self.last = [c.get(m, 0) for m in new]
 
     def update(self, counts: list[int], t: int) -> None:
         dt = (t - self.t) / 1e6
@@ -86,6 +102,11 @@ class Replanner:
         self.last_end = time.monotonic()
         self.last: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
+        self.prep_id = 0  # the latest PREPARE sent
+        self.outstanding: dict[bytes, int] = {}  # executor -> PREPAREs it has not answered yet
+        self.waiting: set[bytes] = set()  # executors whose answer to the current PREPARE is awaited
+        self.answers: dict[bytes, tuple[int, str]] = {}  # current PREPARE: executor -> (load µs, error)
+        self.answered: asyncio.Event | None = None
 
     @property
     def busy(self) -> bool:
@@ -117,7 +138,8 @@ class Replanner:
                   plan: Plan | None = None) -> dict[str, Any]:
         srv = self.srv
         t0 = time.monotonic()
-        out: dict[str, Any] = {"trigger": trigger, "dry_run": dry_run, "from_version": srv.plan_version}
+        out: dict[str, Any] = {"trigger": trigger, "dry_run": dry_run, "from_version": srv.plan_version,
+                               "started_s": round(t0, 3)}
         try:
             if plan is None:
                 if weights is None:
@@ -134,6 +156,7 @@ class Replanner:
             out.update(ok=False, error=f"{type(e).__name__}: {e}" if not isinstance(e, InputError) else str(e))
             log.warning("replan-failed", error=out["error"])
         out["duration_s"] = round(time.monotonic() - t0, 3)
+        out["ended_s"] = round(time.monotonic(), 3)
         out["version"] = srv.plan_version
         result = "dry-run" if dry_run and out["ok"] else ("ok" if out["ok"] else "failed")
         srv.metrics.replans[result] = srv.metrics.replans.get(result, 0) + 1
@@ -169,6 +192,52 @@ class Replanner:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             raise
+
+    # --- preloading: PREPARE out, PRELOADED back -----------------------------------------------
+
+    def prepare(self, assignments: dict[bytes, list[list]]) -> None:
+        """Send each executor its next assignment; :meth:`wait_preloaded` waits for the answers."""
+        srv = self.srv
+        self.prep_id += 1
+        self.waiting, self.answers = set(), {}
+        self.answered = asyncio.Event()
+        for ident, a in assignments.items():
+            if srv._send_exec(ident, wire.prepare(self.prep_id, a)):
+                self.waiting.add(ident)
+                self.outstanding[ident] = self.outstanding.get(ident, 0) + 1
+        if not self.waiting:
+            self.answered.set()
+
+    async def wait_preloaded(self, timeout_s: float) -> None:
+        if self.answered is not None and not self.answered.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.answered.wait(), timeout_s)
+
+    def on_preloaded(self, ident: bytes, prep: int, load_us: int, error: str) -> None:
+        n = self.outstanding.get(ident, 0)
+        if n <= 0:
+            self.srv.counters["stale_preloaded"] += 1
+            return
+        if n == 1:
+            del self.outstanding[ident]
+        else:
+            self.outstanding[ident] = n - 1
+        if prep == self.prep_id and ident in self.waiting:
+            self.waiting.discard(ident)
+            self.answers[ident] = (load_us, error)
+            if error:
+                log.warning("preload-failed", executor=ident.decode(errors="replace"), error=error)
+        self._check()
+
+    def forget(self, ident: bytes) -> None:
+        """An executor left: stop waiting for its answers."""
+        self.outstanding.pop(ident, None)
+        self.waiting.discard(ident)
+        self._check()
+
+    def _check(self) -> None:
+        if not self.waiting and self.answered is not None:
+            self.answered.set()
 
 
 PLANNER = "ppiped.planner.solve"
@@ -207,9 +276,13 @@ def children(marker: str) -> list[int]:
 
 
 def _new_core(srv: Server, plan: Plan) -> Scheduler:
-    if [m.model for m in plan.models] != srv.model_names:
-        raise InputError(f"the new plan serves {[m.model for m in plan.models]}, the daemon "
-                         f"serves {srv.model_names}: a migration keeps the models")
+    missing = [m.model for m in plan.models if m.model not in srv.profiles]
+    if missing:  # a model the daemon did not serve yet: its profile, as the config names them
+        from ..profiles import load_profiles
+
+        if srv.cfg.profiles is None:
+            raise InputError(f"the new plan serves {', '.join(missing)}: no profiles directory configured")
+        srv.profiles.update(load_profiles(srv.cfg.profiles, missing))
     core = Scheduler(plan, srv.profiles, policy=srv.policy_name, **srv.core_kw)
     for v in range(core.layout.num_vgpus):
         core.remove_vgpu(v)
@@ -222,9 +295,46 @@ def _new_core(srv: Server, plan: Plan) -> Scheduler:
     return core
 
 
+async def preload(srv: Server, core: Scheduler) -> tuple[set[bytes], dict[str, Any]]:
+    """Step 1 for the executors: PREPARE each with its next assignment and wait (bounded) for the
+    answers, serving meanwhile; returns the executors that preloaded and the figures."""
+    rp = srv.replanner
+    timeout_ms = srv.cfg.replan_preload_timeout_ms
+    if timeout_ms <= 0:
+        return set(), {"preload": "off"}
+    lay = core.layout
+    nv = lay.num_vgpus
+    plans = {ex.ident: [srv._assignment(v, lay).to_wire() for v in ex.vgpus]
+             for ex in srv.execs.values() if all(v < nv for v in ex.vgpus)}
+    t0 = now_us()
+    rp.prepare(plans)
+    sent = set(rp.waiting)
+    await rp.wait_preloaded(timeout_ms / 1000)
+    done = {i for i, (_, err) in rp.answers.items() if not err} & set(srv.execs)
+    loads = [us / 1000 for us, err in rp.answers.values() if not err]
+    state = "none" if not done else ("all" if done == sent else "partial")
+    return done, {"preload": state, "preloaded_executors": len(done), "executors": len(sent),
+                  "preload_ms": round((now_us() - t0) / 1000, 2),
+                  "load_ms_max": round(max(loads, default=0.0), 2),
+                  "stragglers": len(rp.waiting), "preload_failed": sum(1 for _, e in rp.answers.values() if e)}
+
+
+def cancel_preload(srv: Server) -> None:
+    """A migration given up after PREPARE: re-PREPARE the assignments in force, which loads nothing
+    and makes every executor drop what it preloaded."""
+    srv.replanner.prepare({ex.ident: [srv.assignments[v].to_wire() for v in ex.vgpus]
+                           for ex in srv.execs.values()})
+
+
 async def migrate(srv: Server, plan: Plan) -> dict[str, Any]:
     """Preload, hold, flush, switch, resume; returns the figures of the migration."""
     core = _new_core(srv, plan)  # 1. preload, while serving
+    switched = False
+    try:
+        preloaded, pre = await preload(srv, core)
+    except BaseException:
+        cancel_preload(srv)
+        raise
     t_hold = now_us()
     srv.holding = True  # 2. hold
     if srv.wake_entry is not None:
@@ -239,13 +349,19 @@ async def migrate(srv: Server, plan: Plan) -> dict[str, Any]:
         for b in overdue:
             srv.lose_batch(b, "migration")
         t_switch = now_us()
-        moved = switch(srv, plan, core)  # 4. switch
-        want = sum(len(e.vgpus) for e in srv.execs.values())
-        # 5. resume once every executor has loaded its new partition (or after a timeout: then the
-        # new core serves with the vGPUs it has and drops, with a reply, what it cannot serve)
+        moved, removed = switch(srv, plan, core)  # 4. switch
+        switched = True
+        # 5. resume once the preloaded executors have swapped (all executors, when none preloaded;
+        # bounded: then the new core serves with the vGPUs it has and drops, with a reply, what it
+        # cannot serve); stragglers and executors still to come join when they are ready
+        wait = [e for e in srv.execs.values() if e.ident in preloaded] if preloaded else list(srv.execs.values())
         end = now_us() + int(max(1000, 2 * srv.cfg.heartbeat_timeout_ms) * 1000)
-        while now_us() < end and sum(len(e.vgpus) for e in srv.execs.values() if e.ready) < want:
-            await asyncio.sleep(0.0005)
+        while now_us() < end and not all(e.ready or srv.execs.get(e.ident) is not e for e in wait):
+            await asyncio.sleep(0.0002)
+    except BaseException:
+        if not switched:
+            cancel_preload(srv)
+        raise
     finally:
         srv.holding = False
         srv._dirty_decide = True
@@ -255,19 +371,33 @@ async def migrate(srv: Server, plan: Plan) -> dict[str, Any]:
     pause_ms = (t_ready - t_hold) / 1000
     srv.metrics.pause_s = pause_ms / 1000
     sdnotify_status(srv)
-    figures = {"pause_ms": round(pause_ms, 2), "flush_ms": round((t_switch - t_hold) / 1000, 2),
-               "all_ready_ms": round((t_ready - t_hold) / 1000, 2), "moved_requests": moved,
-               "requeued_batches": len(overdue), "max_slo_ms": max(srv.slo_us) / 1000}
+    alive = sum(len(e.vgpus) for e in srv.execs.values() if e.ready)
+    figures = {**pre, "pause_ms": round(pause_ms, 2), "flush_ms": round((t_switch - t_hold) / 1000, 2),
+               "switch_ms": round((t_ready - t_switch) / 1000, 2), "moved_requests": moved,
+               "dropped_model_removed": removed, "requeued_batches": len(overdue),
+               "max_slo_ms": max(srv.slo_us) / 1000, "vgpus_alive": alive, "vgpus": srv.nv,
+               "vgpus_missing": format_ranges(missing_vgpus(srv))}
     log.info("migrated", version=srv.plan_version, **figures)
     return figures
 
 
-def switch(srv: Server, plan: Plan, core: Scheduler) -> int:
-    """Swap the core and the assignments, move the queue, re-welcome every executor at once."""
+def switch(srv: Server, plan: Plan, core: Scheduler) -> tuple[int, int]:
+    """Swap the core and the assignments, move the queue, re-welcome every executor at once;
+    returns (requests moved, requests dropped because the new plan removed their model)."""
     old = srv.core
-    for rid, r in srv.reqs.items():
+    index = {m: i for i, m in enumerate(core.layout.models)}
+    gone = []
+    for rid, r in list(srv.reqs.items()):
         old.cancel(rid, r.model)
-        core.submit(rid, r.model, float(r.arrival), float(r.deadline))
+        m = index.get(srv.model_names[r.model])
+        if m is None:
+            gone.append(r)
+            del srv.reqs[rid]
+            continue
+        r.model = m  # the new plan's model index (stats move to it in install_plan)
+        core.submit(rid, m, float(r.arrival), float(r.deadline))
+    if gone:  # counted under the old model indices, before install_plan re-indexes the stats
+        srv._drop_reqs(gone, wire.MODEL_REMOVED)
     srv.batches.clear()  # answered; their late feedback would name the old core's reservations
     srv.install_plan(plan, core)
     msg = wire.error(wire.UNREGISTERED, f"plan v{srv.plan_version}: register again for the new assignment")
@@ -275,7 +405,12 @@ def switch(srv: Server, plan: Plan, core: Scheduler) -> int:
         ex.ready = False
         ex.rewelcome = True
         srv._send_exec(ex.ident, msg)
-    return len(srv.reqs)
+    return len(srv.reqs), len(gone)
+
+
+def missing_vgpus(srv: Server) -> list[int]:
+    """vGPUs of the plan in force that no executor has registered for."""
+    return [v for v in range(srv.nv) if srv.vgpu_exec[v] is None]
 
 
 def sdnotify_status(srv: Server) -> None:

@@ -149,12 +149,10 @@ class Server:
             if name not in self.model_index:
                 raise ConfigError(f"{cfg.source}: models.{name}: not a model of the plan "
                                   f"({', '.join(self.model_names)})")
-        self.slo_us = []
-        self.input_bytes = []
-        for i, m in enumerate(self.model_names):
-            ms = cfg.models.get(m)
-            self.slo_us.append(int(ms.slo_ms * 1000) if ms and ms.slo_ms else int(lay.slo_us[i]))
-            self.input_bytes.append(ms.input_bytes if ms else 0)
+        self.slo_us: list[int] = []
+        self.input_bytes: list[int] = []
+        self._model_limits()
+        self.removed_models: dict[str, int] = {}  # model -> the plan version that stopped serving it
         self.assignments = [self._assignment(v) for v in range(self.nv)]
         self.vgpu_exec: list[ExecState | None] = [None] * self.nv
         self.execs: dict[bytes, ExecState] = {}
@@ -185,11 +183,37 @@ class Server:
         self.ctl_server: CtlServer | None = None
         self.metrics_server: MetricsServer | None = None
 
+    def _model_limits(self) -> None:
+        """Per-model SLO and input size: the config's [models.NAME] overrides, else the plan's SLO."""
+        lay = self.layout
+        self.slo_us = []
+        self.input_bytes = []
+        for i, m in enumerate(self.model_names):
+            ms = self.cfg.models.get(m)
+            self.slo_us.append(int(ms.slo_ms * 1000) if ms and ms.slo_ms else int(lay.slo_us[i]))
+            self.input_bytes.append(ms.input_bytes if ms else 0)
+
     def install_plan(self, plan: Plan, core: Scheduler) -> None:
-        """Make ``plan`` (served by ``core``) the one in force; executors come back as they re-register."""
+        """Make ``plan`` (served by ``core``) the one in force; executors come back as they re-register.
+        Queued requests must already carry the new plan's model indices (see replan.switch)."""
         self.plan, self.core = plan, core
         self.layout = lay = core.layout
         self.nv = lay.num_vgpus
+        names = list(lay.models)
+        if names != self.model_names:  # the plan adds or removes models: stats follow by name
+            old = self.model_names
+            by = dict(zip(old, self.stats, strict=True))
+            self.stats = [by.get(m) or ModelStats() for m in names]
+            self.rates.remap(old, names)
+            for m in set(old) - set(names):
+                self.removed_models[m] = self.plan_version + 1
+            for m in names:
+                self.removed_models.pop(m, None)
+            self.model_names = names
+            self.model_index = {m: i for i, m in enumerate(names)}
+            log.info("models-changed", added=",".join(m for m in names if m not in by) or "-",
+                     removed=",".join(m for m in old if m not in self.model_index) or "-")
+        self._model_limits()
         self.assignments = [self._assignment(v) for v in range(self.nv)]
         self.vgpu_exec = [None] * self.nv
         for ex in list(self.execs.values()):
@@ -214,8 +238,8 @@ class Server:
         self.core.report_many(np.array([-1, -1], dtype=np.int64), np.array([t, t]), np.array([t, t]))
         self.core.gc(t)
 
-    def _assignment(self, v: int) -> wire.Assignment:
-        lay = self.layout
+    def _assignment(self, v: int, lay: Any = None) -> wire.Assignment:
+        lay = lay if lay is not None else self.layout
         p = int(lay.v_pool[v])
         pipe = int(lay.v_pipe[v])
         stage = int(lay.v_stage[v])
@@ -242,7 +266,8 @@ class Server:
             self.zctx.destroy(0)
             raise
         self.timers = Timers(self.loop)
-        self.client_reader = Reader(self.loop, self.client, self.on_client, after=self.after_clients)
+        self.client_reader = Reader(self.loop, self.client, self.on_client, after=self.after_clients,
+                                    payload_from=2)
         self.exe_reader = Reader(self.loop, self.exe, self.on_exec, after=self.after_execs)
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
         await self._start_ops()
@@ -387,7 +412,7 @@ class Server:
         m = self.model_index.get(model)
         if m is None:
             self.counters[wire.UNKNOWN_MODEL] += 1
-            self._reject(ident, ids, wire.UNKNOWN_MODEL, None, f"unknown model {model!r}")
+            self._reject(ident, ids, wire.UNKNOWN_MODEL, None, self._unknown_model(model))
             return
         st = self.stats[m]
         if self.stopping or self.draining:
@@ -431,6 +456,12 @@ class Server:
             st.rejected[reason] += len(cids)
         if cids:
             send_parts(self.client, [ident, wire.reply(cids, Status.REJECTED, reason, detail or None)])
+
+    def _unknown_model(self, model: str) -> str:
+        """What is served instead, and since when a removed model is gone."""
+        serves = f"plan v{self.plan_version} serves {', '.join(self.model_names)}"
+        v = self.removed_models.get(model)
+        return f"unknown model {model!r} ({f'it was removed by plan v{v}; ' if v else ''}{serves})"
 
     def _drop_reqs(self, reqs: list[Req], reason: str) -> None:
         """Reply DROPPED to each request, one message per client."""
@@ -628,6 +659,8 @@ class Server:
             elif kind == T.BYE:
                 if ex is not None:
                     self.remove_executor(ex, "bye")
+            elif kind == T.PRELOADED:
+                self.replanner.on_preloaded(ident, h[2], h[3], h[4])
             else:
                 raise wire.ProtocolError(wire.MALFORMED, f"an executor may not send {T(kind).name}")
             if ex is not None:
@@ -708,6 +741,7 @@ class Server:
         if self.execs.get(ex.ident) is not ex:
             return
         del self.execs[ex.ident]
+        self.replanner.forget(ex.ident)
         dead = set(ex.vgpus)
         for v in ex.vgpus:
             if self.vgpu_exec[v] is ex:
@@ -932,7 +966,8 @@ class Server:
             "executors": [{"vgpus": format_ranges(e.vgpus), "pid": e.pid, "backend": e.backend, "ready": e.ready,
                            "endpoint": e.endpoint, "silent_ms": (t - e.last_seen) / 1000,
                            "clock_offset_us": e.offset} for e in self.execs.values()],
-            "vgpus": {"total": self.nv, "alive": sum(c["alive"] for c in classes.values())},
+            "vgpus": {"total": self.nv, "alive": sum(c["alive"] for c in classes.values()),
+                      "missing": format_ranges([v for v in range(self.nv) if self.vgpu_exec[v] is None])},
             "busy_us": self.busy_us.tolist(),
             "in_flight_batches": sum(1 for b in self.batches.values() if not b.answered),
             "queued": len(self.reqs), "overhead_us": self.overhead_us(),

@@ -57,6 +57,18 @@ class EmulateBackend(Backend):
     name = "emulate"
     blocking = False
 
+    def __init__(self, a: Assignment, load_ms: int = 0) -> None:
+        super().__init__(a)
+        self.load_ms = load_ms
+
+    def load(self) -> None:
+        """Takes ``executor.emulate_load_ms`` (0 by default): a stand-in for an engine load, so a
+        migration's preloading can be measured on an emulated cluster. Called off the event loop."""
+        if self.load_ms:
+            import time
+
+            time.sleep(self.load_ms / 1000)
+
     def run(self, frames: list, meta: Any, n: int) -> Outputs:
         return frames, meta, []
 
@@ -138,9 +150,9 @@ class OrtBackend(_TensorBackend):
 
 def make_backend(kind: str, a: Assignment, source: ModelSource | None = None, **opts: Any) -> Backend:
     """``source``: how to get the partition's ONNX graph (ort, trt); ``opts``: threads, engine_path,
-    device, fp16, split."""
+    device, fp16, split, load_ms (emulate)."""
     if kind == "emulate":
-        return EmulateBackend(a)
+        return EmulateBackend(a, load_ms=opts.get("load_ms", 0))
     if source is None:
         raise ValueError(f"the {kind} backend needs the partition's ONNX model")
     if kind == "ort":

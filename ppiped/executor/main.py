@@ -5,7 +5,9 @@ Life of an executor process:
 1. REGISTER its vGPUs and its data endpoint with the scheduler (resent every second until a
    WELCOME arrives, so executors may start before the scheduler).
 2. Load each vGPU's backend from the assignment in WELCOME, then start heartbeating: the first
-   heartbeat tells the scheduler the vGPUs are ready for work.
+   heartbeat tells the scheduler the vGPUs are ready for work. Before a plan migration, PREPARE
+   carries the next assignment: it is loaded in the background while the current one serves
+   (PRELOADED answers), and the WELCOME of the switch then only swaps the loaded workers in.
 3. Run batches in reservation order: each batch carries its reserved start per hop; a vGPU takes
    the earliest reserved batch it holds and starts it no earlier than its reservation (minus
    ``start_early_us``), so a batch that arrives early cannot take a slot reserved for another.
@@ -69,6 +71,19 @@ class Job:
     def __lt__(self, other: Job) -> bool:
         a, b = self.starts[self.hop], other.starts[other.hop]
         return a < b or (a == b and self.seq < other.seq)
+
+
+class Prep:
+    """A PREPARE: the next assignment, loaded while the current one serves, until a WELCOME adopts it."""
+
+    __slots__ = ("id", "key", "assignments", "workers", "task", "error")
+
+    def __init__(self, prep_id: int, assignments: list[wire.Assignment]) -> None:
+        self.id, self.assignments = prep_id, assignments
+        self.key = [a.to_wire() for a in assignments]
+        self.workers: dict[int, Worker] = {}  # only vGPUs whose assignment changes
+        self.task: asyncio.Task | None = None
+        self.error = ""
 
 
 class Worker:
@@ -166,6 +181,7 @@ class Executor:
         self.registered = False
         self.loading = False
         self.assign_key: Any = None
+        self.prep: Prep | None = None
         self.hb_ms = cfg.heartbeat_interval_ms
         self.hb_gen = 0
         self.exit_code = 0
@@ -193,7 +209,7 @@ class Executor:
             return 2
         self.timers = Timers(self.loop)
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
-        self.data_reader = Reader(self.loop, self.data, self.on_data)
+        self.data_reader = Reader(self.loop, self.data, self.on_data, payload_from=1)
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 self.loop.add_signal_handler(sig, self.stop, 0)
@@ -216,6 +232,8 @@ class Executor:
         self.timers.close()
         for w in self.workers.values():
             w.close()
+        if self.prep is not None:
+            self._discard(self.prep)
         await asyncio.sleep(0.05)  # let BYE leave
         self.zctx.destroy(0)
         log.info("stop", vgpus=format_ranges(self.vgpus), **self.counters)
@@ -254,6 +272,8 @@ class Executor:
                         self._push_sock(v)
             elif t == T.WELCOME:
                 self.on_welcome(h[2], h[3])
+            elif t == T.PREPARE:
+                self.on_prepare(h[2], h[3])
             elif t == T.ERROR:
                 self.on_error(h[2], h[3])
             elif t == T.ALIVE:
@@ -287,7 +307,108 @@ class Executor:
         if self.loading:
             return
         self.loading = True
-        self.loop.create_task(self._load(assignments, key))
+        p = self.prep
+        if p is not None and p.key == key:  # the switch to a preloaded assignment: swap
+            self.prep = None
+            self.loop.create_task(self._adopt(p, assignments, key))
+        else:
+            self.loop.create_task(self._load(assignments, key))
+
+    async def _make_worker(self, a: wire.Assignment) -> Worker:
+        """A worker for assignment ``a`` with its backend loaded (off the event loop)."""
+        s = self.cfg.executor_settings(a.vgpu)
+        kind = self.backend_override or s.backend
+        fields = dict(model=a.model, pipeline=a.pipeline, partition=a.partition, start=a.start,
+                      end=a.end, gpu=a.gpu, vgpu=a.vgpu)
+        source = engine = None
+        if kind != "emulate":
+            source, engine = self._model_source(s, a, fields)
+        be = make_backend(kind, a, source, threads=s.threads, engine_path=engine,
+                          device=s.device, fp16=s.fp16_engine, split=s.split, load_ms=s.emulate_load_ms)
+        w = Worker(self, a.vgpu, be, s.start_early_us)
+        try:
+            await self.loop.run_in_executor(w.pool, be.load)  # pool None: the loop's default threads
+        except BaseException:
+            self._close_workers([w])
+            raise
+        log.info("loaded", vgpu=a.vgpu, backend=kind, model=a.model, pipeline=a.pipeline,
+                 partition=a.partition, blocks=f"{a.start}-{a.end}", gpu=a.gpu, split=a.split,
+                 source=source[1] if source else "-")
+        return w
+
+    def _close_workers(self, workers: Any) -> None:
+        """Close workers off the event loop (a blocking backend's close waits for its thread)."""
+        for w in list(workers):
+            self.loop.run_in_executor(None, w.close)
+
+    # --- preloading (plan migration) ----------------------------------------------------------
+
+    def on_prepare(self, prep_id: int, raw: list) -> None:
+        """Load the next assignment while serving the current one; answer PRELOADED when done.
+        A later PREPARE replaces this one (the scheduler cancels with the assignment in force)."""
+        try:
+            assignments = [wire.Assignment.from_wire(x) for x in raw]
+        except wire.ProtocolError as e:
+            self._send_ctl(wire.preloaded(prep_id, 0, str(e)))
+            return
+        old, self.prep = self.prep, Prep(prep_id, assignments)
+        if old is not None:
+            self._discard(old)
+        self.prep.task = self.loop.create_task(self._preload(self.prep))
+
+    def _discard(self, p: Prep) -> None:
+        if p.task is not None and not p.task.done():
+            p.task.add_done_callback(lambda _t, p=p: self._close_workers(p.workers.values()))
+        else:
+            self._close_workers(p.workers.values())
+
+    async def _preload(self, p: Prep) -> None:
+        t0 = now_us()
+        cur = {x[0]: x for x in self.assign_key or ()}
+        try:
+            for a in p.assignments:
+                if cur.get(a.vgpu) == a.to_wire() and a.vgpu in self.workers:
+                    continue  # unchanged: the worker serving it now goes on serving it
+                p.workers[a.vgpu] = await self._make_worker(a)
+        except (UserError, ValueError, OSError, RuntimeError) as e:
+            p.error = f"{type(e).__name__}: {e}"
+            log.warning("preload-failed", prep=p.id, error=p.error)
+            self._close_workers(p.workers.values())
+            p.workers = {}
+        load_us = now_us() - t0
+        if not p.error:
+            log.info("preloaded", prep=p.id, vgpus=format_ranges([a.vgpu for a in p.assignments]),
+                     loaded=len(p.workers), load_ms=round(load_us / 1000, 1))
+        self._send_ctl(wire.preloaded(p.id, load_us, p.error))
+
+    async def _adopt(self, p: Prep, assignments: list[wire.Assignment], key: Any) -> None:
+        """Switch to a preloaded assignment: swap the workers in (waiting for a preload still
+        running), close the ones it replaces; load from scratch if the preload failed."""
+        if p.task is not None and not p.task.done():
+            await asyncio.shield(p.task)
+        cur = {x[0]: x for x in self.assign_key or ()}
+        new: dict[int, Worker] = {}
+        for a in assignments:
+            w = p.workers.get(a.vgpu)
+            if w is None and cur.get(a.vgpu) == a.to_wire():
+                w = self.workers.get(a.vgpu)
+            if w is None or p.error:
+                self._close_workers(p.workers.values())
+                await self._load(assignments, key)
+                return
+            new[a.vgpu] = w
+        old = [w for v, w in self.workers.items() if new.get(v) is not w]
+        self.workers = new
+        self.assign_key = key
+        self.loading = False
+        log.info("switched", prep=p.id, vgpus=format_ranges(list(new)), swapped=len(p.workers))
+        self.ready()
+        self._close_workers(old)
+
+    def _send_ctl(self, msg: bytes) -> None:
+        with contextlib.suppress(zmq.Again):
+            self.ctl.send(msg, zmq.NOBLOCK)
+        self.ctl_reader.kick()
 
     async def _load(self, assignments: list[wire.Assignment], key: Any) -> None:
         old, self.workers = self.workers, {}
@@ -296,24 +417,7 @@ class Executor:
         try:
             workers = {}
             for a in assignments:
-                s = self.cfg.executor_settings(a.vgpu)
-                kind = self.backend_override or s.backend
-                fields = dict(model=a.model, pipeline=a.pipeline, partition=a.partition, start=a.start,
-                              end=a.end, gpu=a.gpu, vgpu=a.vgpu)
-                source = engine = None
-                if kind != "emulate":
-                    source, engine = self._model_source(s, a, fields)
-                be = make_backend(kind, a, source, threads=s.threads, engine_path=engine,
-                                  device=s.device, fp16=s.fp16_engine, split=s.split)
-                w = Worker(self, a.vgpu, be, s.start_early_us)
-                if w.pool is not None:
-                    await self.loop.run_in_executor(w.pool, be.load)
-                else:
-                    be.load()
-                workers[a.vgpu] = w
-                log.info("loaded", vgpu=a.vgpu, backend=kind, model=a.model, pipeline=a.pipeline,
-                         partition=a.partition, blocks=f"{a.start}-{a.end}", gpu=a.gpu, split=a.split,
-                         source=source[1] if source else "-")
+                workers[a.vgpu] = await self._make_worker(a)
         except (UserError, ValueError, OSError, RuntimeError) as e:
             log.error("load-failed", error=str(e))
             self.loading = False
