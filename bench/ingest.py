@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -40,6 +41,15 @@ def _cpu_s(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _cpu_split(pin: bool) -> tuple[list[int] | None, list[int] | None]:
+    """With ``pin``: the scheduler gets the first CPU of this process's set to itself, as an
+    operator gives it one (``CPUAffinity=`` in its unit); everything else shares the rest."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2:
+        return None, None
+    return cpus[:1], cpus[1:]
+
+
 def emit(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
@@ -53,7 +63,14 @@ def ingest(args: argparse.Namespace) -> dict:
         cfg = write_config(d, plan, profiles, heartbeat_ms=100, timeout_ms=2000)
         n = 2 * args.vgpus
         groups = [list(range(n))]
-        with LocalCluster(cfg, groups) as c:
+        sched_cpus, other_cpus = _cpu_split(args.pin)
+        mine = os.sched_getaffinity(0)
+        if other_cpus:
+            os.sched_setaffinity(0, other_cpus)  # the load generator stays off the scheduler's core
+        with contextlib.ExitStack() as undo:
+            undo.callback(os.sched_setaffinity, 0, mine)
+            c = undo.enter_context(LocalCluster(cfg, groups, scheduler_cpus=sched_cpus,
+                                                executor_cpus=other_cpus))
             # warm the path (first dispatches, socket connections), then measure a clean window
             asyncio.run(run_load(c.client_endpoint, {"tiny": 2000.0}, 1.0, frame_bytes=64))
             c.ctl("reset-overhead")
@@ -79,7 +96,7 @@ def ingest(args: argparse.Namespace) -> dict:
             "mean_batch": after["models"]["tiny"]["mean_batch"], "wall_s": wall,
             "scheduler_cpu_us_per_request": 1e6 * (after["cpu_s"] - before["cpu_s"]) / max(1, ok),
             "cores_used": cpu, "host_load_avg": os.getloadavg()[0],
-            "wake_late_p99_us": after["wake_late_us"].get("p99"),
+            "wake_late_p99_us": after["wake_late_us"].get("p99"), "scheduler_cpus": sched_cpus,
         }
         emit(**out)
         return out
@@ -143,6 +160,8 @@ def main() -> int:
     ap.add_argument("--kill-at", type=float, default=2.0)
     ap.add_argument("--window", type=float, default=0.25, help="recovery: attainment window (s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="ingest: let the scheduler share every CPU with the executors and load generator")
     args = ap.parse_args()
     ok = True
     if args.part in ("all", "ingest"):

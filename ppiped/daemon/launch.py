@@ -77,8 +77,11 @@ class LocalCluster:
 
     def __init__(self, config: Path, groups: Sequence[Sequence[int]], *, backend: str | None = None,
                  log_dir: Path | None = None, log_level: str = "warning", python: str = sys.executable,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, scheduler_cpus: Sequence[int] | None = None,
+                 executor_cpus: Sequence[int] | None = None) -> None:
         self.config = Path(config)
+        self.scheduler_cpus = scheduler_cpus
+        self.executor_cpus = executor_cpus
         self.groups = [list(g) for g in groups]
         self.backend = backend
         self.log_dir = Path(log_dir) if log_dir else self.config.parent
@@ -92,11 +95,17 @@ class LocalCluster:
         cfg = load_config(self.config)
         self.client_endpoint, self.ctl_endpoint = cfg.client, cfg.ctl
 
-    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+    def _spawn(self, args: list[str], log_name: str, cpus: Sequence[int] | None = None) -> subprocess.Popen:
         log = open(self.log_dir / log_name, "ab")  # noqa: SIM115 - the child keeps it
+
+        def setup() -> None:
+            _die_with_parent()
+            if cpus:  # before the child starts any thread, so ZeroMQ's I/O threads inherit it
+                os.sched_setaffinity(0, cpus)
+
         try:
             return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+                                    start_new_session=True, preexec_fn=setup)
         finally:
             log.close()
 
@@ -105,7 +114,8 @@ class LocalCluster:
         On any failure every process started so far is stopped before the error propagates."""
         try:
             self.server = self._spawn([self.python, "-m", "ppiped.cli", "serve", "--config",
-                                       str(self.config), "--log-level", self.log_level], "serve.log")
+                                       str(self.config), "--log-level", self.log_level], "serve.log",
+                                      self.scheduler_cpus)
             for i in range(len(self.groups)):
                 self.executors.append(self._start_executor(i))
             total = sum(len(g) for g in self.groups)
@@ -131,7 +141,7 @@ class LocalCluster:
                 "--log-level", self.log_level]
         if self.backend:
             args += ["--backend", self.backend]
-        return self._spawn(args, f"executor-{i}.log")
+        return self._spawn(args, f"executor-{i}.log", self.executor_cpus)
 
     def kill_executor(self, i: int, sig: int = signal.SIGKILL) -> None:
         p = self.executors[i]
