@@ -124,7 +124,7 @@ def _print_executors(execs: list[dict[str, Any]], missing: list[dict[str, Any]] 
     print(f"{'vGPUs':<10} {'pid':>7} {'backend':<8} {'health':<8} {'silent ms':>9}  assignment")
     for e in execs:
         print(f"{e['vgpus']:<10} {e['pid']:>7} {e['backend']:<8} {e['health']:<8} {e['silent_ms']:>9.1f}  "
-              f"{'; '.join(e['assignments'])}")
+              f"{'; '.join(e['assignments'] + ([f'standby: {sb}'] if (sb := e.get('standby')) else []))}")
     for m in missing:  # in the plan, but no executor registered for it: out of service
         print(f"{m['vgpu']:<10} {'-':>7} {'-':<8} {'missing':<8} {'-':>9}  {m['assignment']}")
 

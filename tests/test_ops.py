@@ -454,6 +454,30 @@ def test_replan_plan_file_changes_models_and_adds_vgpus(ops, capsys):
     assert st["vgpus"] == {"total": 6, "alive": 6, "missing": ""}
     with Client(ops.cluster.client_endpoint, timeout_s=10) as c:
         assert c.submit("tiny3", b"x" * 16) is not None  # the added model is served
+    # a plan with fewer vGPUs: the executor of vGPUs 4-5 waits on standby instead of exiting, and
+    # comes back into service, preloaded, with a plan that has them again
+    smaller = type(cl)({"CPU": GpuType("CPU", 4, 1, (1,))}, cl.nic_gbps)
+    plan4 = plan_cluster(profiles, ["tiny", "tiny3"], [1.0, 1.0], smaller, ops.plan.params, time_limit=20,
+                         slos_us=[60_000.0, 60_000.0])
+    save_plan(plan4, ops.dir / "plan4.json")
+    nv4 = sum(q.num_vgpus for m in plan4.models for p in m.pipelines for q in p.partitions)
+    assert nv4 <= 4
+    rp = ctl.call(ops.sock, {"cmd": "replan", "plan_file": str(ops.dir / "plan4.json"), "wait": True}, 60)
+    assert rp["ok"] and rp["vgpus"] == nv4 and rp["vgpus_missing"] == "", rp
+    st = ctl.call(ops.sock, {"cmd": "status"})
+    assert st["vgpus"] == {"total": nv4, "alive": nv4, "missing": ""}
+    (standby,) = [e for e in st["executors"] if e["vgpus"] == "4-5"]
+    assert standby["health"] == "standby" and standby["standby"] == "4-5" and standby["assignments"] == []
+    time.sleep(0.5)
+    assert ops.cluster.executors[-1].poll() is None  # still running, not refused
+    rp = ctl.call(ops.sock, {"cmd": "replan", "plan_file": str(ops.dir / "plan3.json"), "wait": True}, 60)
+    assert rp["ok"] and rp["preload"] == "all", rp
+    end = time.monotonic() + 30
+    while ctl.call(ops.sock, {"cmd": "status"})["vgpus"]["alive"] < 6 and time.monotonic() < end:
+        time.sleep(0.05)
+    assert ctl.call(ops.sock, {"cmd": "status"})["vgpus"] == {"total": 6, "alive": 6, "missing": ""}
+    with Client(ops.cluster.client_endpoint, timeout_s=10) as c:
+        assert all(c.submit("tiny3", b"x" * 16) is not None for _ in range(20))
 
 
 def test_switch_moves_kept_models_and_drops_removed_ones():

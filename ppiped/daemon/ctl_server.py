@@ -143,7 +143,7 @@ def status(srv: Server) -> dict[str, Any]:
                      "slo_ms": srv.slo_us[i] / 1000, "accepted": s.accepted, "ok": s.ok, "dropped": dropped,
                      "rejected": sum(s.rejected.values()),
                      "attainment": s.ok / answered if answered else 1.0, "queued": srv.core.pending(i)}
-    alive = sum(len(e.vgpus) for e in srv.execs.values() if e.ready)
+    alive = srv.alive_vgpus()
     return {"plan_version": srv.plan_version, "plan": srv.plan.source, "uptime_s": (now_us() - srv.started) / 1e6,
             "state": "holding" if srv.holding else ("draining" if srv.draining else "serving"),
             "models": models, "queued": len(srv.reqs),
@@ -161,8 +161,12 @@ def executors(srv: Server) -> list[dict[str, Any]]:
         silent = (t - e.last_seen) / 1000
         health = "ready" if e.ready else ("loading" if e.rewelcome or silent < srv.cfg.heartbeat_timeout_ms
                                           else "silent")
+        standby = [v for v in e.vgpus if v >= srv.nv]
+        if e.ready and len(standby) == len(e.vgpus):
+            health = "standby"
         out.append({"vgpus": format_ranges(e.vgpus), "pid": e.pid, "backend": e.backend, "endpoint": e.endpoint,
                     "health": health, "silent_ms": round(silent, 1), "clock_offset_us": e.offset,
+                    "standby": format_ranges(standby) if standby else "",
                     "assignments": [_describe(srv.assignments[v]) for v in e.vgpus if v < srv.nv]})
     return out
 

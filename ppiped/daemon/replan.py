@@ -304,8 +304,8 @@ async def preload(srv: Server, core: Scheduler) -> tuple[set[bytes], dict[str, A
         return set(), {"preload": "off"}
     lay = core.layout
     nv = lay.num_vgpus
-    plans = {ex.ident: [srv._assignment(v, lay).to_wire() for v in ex.vgpus]
-             for ex in srv.execs.values() if all(v < nv for v in ex.vgpus)}
+    plans = {ex.ident: [srv._assignment(v, lay).to_wire() for v in ex.vgpus if v < nv]
+             for ex in srv.execs.values()}
     t0 = now_us()
     rp.prepare(plans)
     sent = set(rp.waiting)
@@ -322,7 +322,7 @@ async def preload(srv: Server, core: Scheduler) -> tuple[set[bytes], dict[str, A
 def cancel_preload(srv: Server) -> None:
     """A migration given up after PREPARE: re-PREPARE the assignments in force, which loads nothing
     and makes every executor drop what it preloaded."""
-    srv.replanner.prepare({ex.ident: [srv.assignments[v].to_wire() for v in ex.vgpus]
+    srv.replanner.prepare({ex.ident: [srv.assignments[v].to_wire() for v in ex.vgpus if v < srv.nv]
                            for ex in srv.execs.values()})
 
 
@@ -371,7 +371,7 @@ async def migrate(srv: Server, plan: Plan) -> dict[str, Any]:
     pause_ms = (t_ready - t_hold) / 1000
     srv.metrics.pause_s = pause_ms / 1000
     sdnotify_status(srv)
-    alive = sum(len(e.vgpus) for e in srv.execs.values() if e.ready)
+    alive = srv.alive_vgpus()
     figures = {**pre, "pause_ms": round(pause_ms, 2), "flush_ms": round((t_switch - t_hold) / 1000, 2),
                "switch_ms": round((t_ready - t_switch) / 1000, 2), "moved_requests": moved,
                "dropped_model_removed": removed, "requeued_batches": len(overdue),

@@ -57,6 +57,7 @@ BURST_DECIDE_US = 200
 _ACTION_VIEWS = ("path", "n_hops", "req_start", "bs", "res_start", "n_res_of", "finish_us", "model", "handle",
                  "kind", "hop", "start_us", "req_id", "drop_id", "drop_reason")
 OFFSET_SAMPLES = 16
+MAX_VGPU_ID = 1 << 16  # registrations beyond the plan's vGPUs wait on standby, up to this id
 DONE_BATCH_KEEP_US = 2_000_000  # keep answered batches this long for late feedback
 
 
@@ -216,12 +217,10 @@ class Server:
         self._model_limits()
         self.assignments = [self._assignment(v) for v in range(self.nv)]
         self.vgpu_exec = [None] * self.nv
-        for ex in list(self.execs.values()):
-            if all(v < self.nv for v in ex.vgpus):
-                for v in ex.vgpus:
+        for ex in self.execs.values():  # vGPUs the new plan lacks keep their executor on standby
+            for v in ex.vgpus:
+                if v < self.nv:
                     self.vgpu_exec[v] = ex
-            else:  # its vGPUs are not in the new plan: it is refused when it registers again
-                del self.execs[ex.ident]
         self.busy_us = np.zeros(self.nv, dtype=np.float64)
         self._views_key = -1
         self.plan_version += 1
@@ -389,7 +388,7 @@ class Server:
                                                         for i, m in enumerate(self.model_names)},
                     "max_payload_bytes": self.cfg.max_payload_bytes,
                     "max_ids_per_message": self.cfg.max_ids_per_message,
-                    "vgpus_alive": sum(1 for e in self.execs.values() if e.ready for _ in e.vgpus)}
+                    "vgpus_alive": self.alive_vgpus()}
             send_parts(self.client, [ident, wire.pong(h[2], info)])
         else:
             self.counters["malformed"] += 1
@@ -684,25 +683,24 @@ class Server:
 
     def on_register(self, ident: bytes, h: list) -> None:
         _, _, vgpus, endpoint, backend, pid, clock, incarnation = h
-        unknown = [v for v in vgpus if not 0 <= v < self.nv]
-        if unknown or not vgpus:
+        bad = [v for v in vgpus if not 0 <= v < MAX_VGPU_ID]
+        if bad or not vgpus:
             log.warning("register-refused", vgpus=vgpus, pid=pid)
-            self._send_exec(ident, wire.error("unknown-vgpu", f"vGPU(s) {unknown or vgpus} are not in the "
-                                              f"plan (it has vGPUs 0-{self.nv - 1})"))
+            self._send_exec(ident, wire.error("unknown-vgpu", f"vGPU id(s) {bad or vgpus} out of range "
+                                              f"(0-{MAX_VGPU_ID - 1}; the plan has 0-{self.nv - 1})"))
             return
         old = self.execs.get(ident)
         if old is not None and old.incarnation == incarnation and old.vgpus == list(vgpus):
             # a REGISTER repeated while we were starting, or asked for by a migration: answer
             # again (with the assignment in force); its next heartbeat comes after loading it
             old.rewelcome = False
-            self._send_exec(ident, wire.welcome([self.assignments[v].to_wire() for v in vgpus],
-                                                self.cfg.heartbeat_interval_ms))
+            self._welcome(ident, vgpus)
             return
         if old is not None:
             self.remove_executor(old, "re-registered")
         t = now_us()
         for v in vgpus:
-            prev = self.vgpu_exec[v]
+            prev = self.vgpu_exec[v] if v < self.nv else None
             if prev is None or prev.ident == ident:
                 continue
             if t - prev.last_seen <= self.cfg.heartbeat_timeout_ms * 1000 and \
@@ -717,11 +715,23 @@ class Server:
         ex.clock_sample(clock, now_us())
         self.execs[ident] = ex
         for v in vgpus:
-            self.vgpu_exec[v] = ex
-        self._send_exec(ident, wire.welcome([self.assignments[v].to_wire() for v in vgpus],
-                                            self.cfg.heartbeat_interval_ms))
+            if v < self.nv:
+                self.vgpu_exec[v] = ex
+        self._welcome(ident, vgpus)
         self._send_peers()
-        log.info("executor-registered", vgpus=format_ranges(vgpus), pid=pid, backend=backend, data=endpoint)
+        standby = [v for v in vgpus if v >= self.nv]
+        log.info("executor-registered", vgpus=format_ranges(vgpus), pid=pid, backend=backend, data=endpoint,
+                 standby=format_ranges(standby) if standby else "-")
+
+    def _welcome(self, ident: bytes, vgpus: list[int]) -> None:
+        """WELCOME with the assignments in force; vGPUs the plan lacks wait on standby until a plan
+        has them (a replan to fewer vGPUs, or an executor started ahead of the plan that needs it)."""
+        self._send_exec(ident, wire.welcome([self.assignments[v].to_wire() for v in vgpus if v < self.nv],
+                                            self.cfg.heartbeat_interval_ms))
+
+    def alive_vgpus(self) -> int:
+        """vGPUs of the plan in force whose executor is ready."""
+        return sum(1 for e in self.vgpu_exec if e is not None and e.ready)
 
     def _send_peers(self) -> None:
         directory = {v: e.endpoint for e in self.execs.values() for v in e.vgpus}
@@ -732,10 +742,11 @@ class Server:
     def ready(self, ex: ExecState) -> None:
         ex.ready = True
         for v in ex.vgpus:
-            self.core.restore_vgpu(v)
+            if v < self.nv:
+                self.core.restore_vgpu(v)
         self._dirty_decide = True
         log.info("executor-ready", vgpus=format_ranges(ex.vgpus), pid=ex.pid,
-                 alive=sum(1 for e in self.execs.values() if e.ready for _ in e.vgpus))
+                 alive=self.alive_vgpus())
 
     def remove_executor(self, ex: ExecState, why: str) -> None:
         if self.execs.get(ex.ident) is not ex:
@@ -744,6 +755,8 @@ class Server:
         self.replanner.forget(ex.ident)
         dead = set(ex.vgpus)
         for v in ex.vgpus:
+            if v >= self.nv:
+                continue
             if self.vgpu_exec[v] is ex:
                 self.vgpu_exec[v] = None
             if ex.ready:
