@@ -139,6 +139,19 @@ def _retail(F, A, tb, r):
     F[tb[7] + r] = F[os + i]
 
 
+@njit(cache=True, inline="always")
+def _first_at_or_after(F, os, lo, hi, t):
+    """Binary search over the starts ``F[os + lo:os + hi]`` (sorted): the first position whose
+    interval starts at or after ``t``."""
+    while lo < hi:
+        m = (lo + hi) >> 1
+        if F[os + m] < t:
+            lo = m + 1
+        else:
+            hi = m
+    return lo
+
+
 @njit(i8(F1, I1, TB, i8, f8, f8, i8), cache=True)
 def insert(F, A, tb, r, s, e, h):
     """Insert ``[s, e)`` with handle ``h`` into row ``r``; the caller guarantees that it overlaps
@@ -147,15 +160,8 @@ def insert(F, A, tb, r, s, e, h):
         compact(F, A, tb, r)
     base = r * tb[5]
     os = tb[0] + base
-    a = A[tb[3] + r]
     hi = A[tb[4] + r]
-    b = hi
-    while a < b:  # first interval starting at or after s
-        m = (a + b) >> 1
-        if F[os + m] < s:
-            a = m + 1
-        else:
-            b = m
+    a = _first_at_or_after(F, os, A[tb[3] + r], hi, s)
     for k in range(hi, a, -1):
         _move(F, A, tb, base, k, k - 1)
     F[os + a] = s
@@ -186,14 +192,7 @@ def find_handle_near(F, A, tb, r, h, t):
     oh = tb[2] + base
     lo = A[tb[3] + r]
     hi = A[tb[4] + r]
-    a = lo
-    b = hi
-    while a < b:  # first interval starting at or after t
-        m = (a + b) >> 1
-        if F[os + m] < t:
-            a = m + 1
-        else:
-            b = m
+    a = _first_at_or_after(F, os, lo, hi, t)
     i = a - 1
     j = a
     while i >= lo or j < hi:
