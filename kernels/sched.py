@@ -183,19 +183,36 @@ def _slot2(A, F, tb, ra, rb, t, d, nt, extra, limit):
             return s
 
 
-@njit(types.Tuple((i8, f8, f8, b1, f8))(I1, F1, TB, i8, i8, i8, f8, f8, f8, i8), cache=True)
-def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt):
-    """Hop ``k`` of a probe: the live vGPU of ``pool`` that finishes first.
+@njit(cache=True, inline="always")
+def _out_slot(F, A, tb, u, f, Tn, limit):
+    """When a batch finishing at ``f`` on a vGPU whose server uplink is ``u`` could start sending
+    its output (``Tn`` long) on it; ``Tn == 0`` (the last pool): ``f``. The row search stops (inf)
+    once the slot is past ``limit``; the summaries answer most calls without it."""
+    if Tn <= 0.0 or f >= F[tb[6] + u]:
+        return f
+    if f >= F[tb[7] + u]:
+        return F[tb[6] + u]
+    return earliest1_cut(F, A, tb, u, f, Tn, 0.0, limit + Tn)
 
-    Ties (idle vGPUs finish together) go to the vGPU whose server uplink frees first, then the
-    lowest id: breaking them by id alone sends every batch's output through the first server's
-    uplink and saturates it while the others idle.
+
+@njit(types.Tuple((i8, f8, f8, b1, f8))(I1, F1, TB, i8, i8, i8, f8, f8, f8, i8, f8), cache=True)
+def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn):
+    """Hop ``k`` of a probe: the live vGPU of ``pool`` whose output can leave first.
+
+    A vGPU's score is its inference finish, or, when a transfer of ``Tn`` follows this pool
+    (not the last), the first time at or after that finish at which its server's uplink is free
+    for ``Tn``: a vGPU that finishes first but whose output then queues behind other transfers
+    on a busy uplink loses to one that finishes a little later on a free one (the PPipe
+    artifact's ``ReservationOffer.reserve`` scores a worker the same way). Ties go to the
+    earlier finish, then to the vGPU whose server uplink frees first, then the lowest id:
+    breaking them by id alone sends every batch's output through the first server's uplink and
+    saturates it while the others idle.
 
     For each vGPU: its input's joint NIC slot when it comes from another server (one search
     per server: vGPUs of a server share its downlink), then its inference slot. Most rows have
     no usable gap after the ready time (``gfrom <= ready``), so their slot comes from the dense
     row summaries without reading the row; the others are searched afterwards, cut off as soon
-    as they cannot beat the best finish found. Returns (vgpu, finish, infer start, has transfer,
+    as they cannot beat the best score found. Returns (vgpu, finish, infer start, has transfer,
     transfer start); vgpu -1 if the pool has no live vGPU.
     """
     V = A[H_V]
@@ -207,6 +224,7 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt):
     o_dv = off(A, X_SCAN_V)
     o_dr = off(A, X_SCAN_READY)
     o_dt = off(A, X_SCAN_TX)
+    best_c = INF
     best_f = INF
     best_v = -1
     best_s = 0.0
@@ -216,6 +234,9 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt):
     nd = 0
     last_sv = -2
     last_tx = 0.0
+    cache_sv = -2
+    cache_f = 0.0
+    cache_c = 0.0
     for v in range(A[o_pv + pool], A[o_pv + pool + 1]):
         if A[o_va + v] == 0:
             continue
@@ -227,7 +248,7 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt):
             if sv != last_sv:
                 # the cut-off only tightens during the scan, so a cached slot (or inf) stays right
                 last_sv = sv
-                last_tx = _slot2(A, F, tb, V + 2 * prev_s, V + 2 * sv + 1, t, T, nt, L, best_f)
+                last_tx = _slot2(A, F, tb, V + 2 * prev_s, V + 2 * sv + 1, t, T, nt, L, best_c)
             tx = last_tx
             if tx == INF:
                 continue
@@ -235,15 +256,27 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt):
         if F[o_gf + v] <= ready:
             s = max(ready, F[o_tail + v])
             f = s + L
-            u = max(F[o_tail + V + 2 * sv], t)
-            if f < best_f or (f == best_f and (u < best_u or (u == best_u and v < best_v))):
+            if f > best_c:
+                continue
+            up = V + 2 * sv
+            if sv != cache_sv or f != cache_f:
+                # idle vGPUs of a server finish together: one uplink search for all of them
+                # (a cached inf stays right: the cut-off only tightens)
+                cache_sv = sv
+                cache_f = f
+                cache_c = _out_slot(F, A, tb, up, f, Tn, best_c)
+            c = cache_c
+            u = max(F[o_tail + up], t)
+            if c < best_c or (c == best_c and (f < best_f or (f == best_f and (
+                    u < best_u or (u == best_u and v < best_v))))):
+                best_c = c
                 best_f = f
                 best_u = u
                 best_v = v
                 best_s = s
                 best_tx = tx
                 best_has_tx = has_tx
-        elif ready + L <= best_f:
+        elif ready + L <= best_c:
             A[o_dv + nd] = v if has_tx else -1 - v
             F[o_dr + nd] = ready
             F[o_dt + nd] = tx
@@ -254,10 +287,16 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt):
         if not has_tx:
             v = -1 - v
         ready = F[o_dr + i]
-        s = earliest1_cut(F, A, tb, v, ready, L, 0.0, best_f)
+        s = earliest1_cut(F, A, tb, v, ready, L, 0.0, best_c)
         f = s + L
-        u = max(F[o_tail + V + 2 * A[o_vs + v]], t)
-        if f < best_f or (f == best_f and (u < best_u or (u == best_u and v < best_v))):
+        if f > best_c:
+            continue
+        up = V + 2 * A[o_vs + v]
+        c = _out_slot(F, A, tb, up, f, Tn, best_c)
+        u = max(F[o_tail + up], t)
+        if c < best_c or (c == best_c and (f < best_f or (f == best_f and (
+                u < best_u or (u == best_u and v < best_v))))):
+            best_c = c
             best_f = f
             best_u = u
             best_v = v
@@ -272,8 +311,10 @@ def probe(A, F, p, b, now, buf):
     """Walk pipeline ``p``'s pools at batch size ``b`` from ``now`` without reserving anything.
 
     Per pool, for each live vGPU: the joint uplink/downlink slot for its input (when it comes
-    from another server), then its inference slot; the vGPU that finishes first wins (ties: the
-    earliest-free uplink, then the lowest id). The path and its slots go to scratch buffer ``buf``. Returns
+    from another server), then its inference slot; the vGPU whose output can leave first wins
+    (see :func:`_scan_pool`: its finish, and where a transfer follows, when its server's uplink
+    is free for it; ties: the earlier finish, the earliest-free uplink, the lowest id). The path
+    and its slots go to scratch buffer ``buf``. Returns
     ``(finish, waiting)``: waiting is the finish minus ``now`` minus the busy time of the path,
     i.e. the time the batch would spend queued for resources. ``(inf, inf)`` if a pool is dead.
     """
@@ -298,7 +339,8 @@ def probe(A, F, p, b, now, buf):
         T = F[o_tin + pool * B + b - 1]
         if A[off(A, X_POOL_LIVE) + pool] == 0 or not L < INF:
             return INF, INF
-        best_v, best_f, best_s, best_has_tx, best_tx = _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt)
+        Tn = F[o_tin + (pool + 1) * B + b - 1] if k + 1 < npools else 0.0
+        best_v, best_f, best_s, best_has_tx, best_tx = _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn)
         if best_v < 0:
             return INF, INF
         sv = A[o_vs + best_v]

@@ -366,6 +366,33 @@ def test_transfers_reserve_both_nics_only_across_servers():
         assert up.end_us - up.start_us == pytest.approx(1000 * 8 / 8e3)
 
 
+def test_probe_avoids_a_vgpu_whose_uplink_is_busy():
+    """A first-pool vGPU that finishes first but whose output would queue on its server's busy
+    uplink loses to one that finishes later on a server whose uplink frees sooner."""
+    prof = Profile("m", 2, {"A": {1: np.array([[100.0], [100.0]])}, "B": {1: np.array([[10.0], [10.0]])}},
+                   np.array([300_000.0]), {"A": 200.0})  # 300 µs transfer at 8 Gb/s
+    parts = [Partition((0, 1), "A", 1, 4, 1.0, 0.0, 1.0, 1), Partition((1, 2), "B", 1, 2, 1.0, 0.0, 1.0, 1)]
+    plan = Plan(Cluster({"A": GpuType("A", 4, 2, (1,)), "B": GpuType("B", 2, 1, (1,))}, 8.0), PlanParams(),
+                [ModelPlan("m", 100_000.0, 1.0, 1.0, [Pipeline(1, 1.0, 1.0, parts)], 1.0)], 1.0)
+    s = Scheduler(plan, {"m": prof})
+    assert list(s.layout.v_server[:4]) == [0, 0, 1, 1]
+    s.submit(0, 0, 0.0, 100_000.0)
+    (d0,) = s.decide(0.0).dispatches()
+    assert d0.path[0] == 0
+    up0 = next(r for r in d0.reservations if r.kind == "uplink")
+    s.report(up0.handle, 100.0, 2000.0)  # server 0's uplink is busy until 2000
+    for i, t in ((1, 10.0), (2, 10.0)):  # both vGPUs of server 1 take one
+        s.submit(i, 0, t, 100_000.0)
+        (d,) = s.decide(t).dispatches()
+        assert s.layout.v_server[d.path[0]] == 1
+    s.submit(3, 0, 20.0, 100_000.0)
+    (d,) = s.decide(20.0).dispatches()
+    # vGPU 1 (server 0) would finish at 120 but send only at 2000; vGPU 2 finishes at 210 and
+    # sends at 710, after the two transfers already on server 1's uplink
+    assert d.path[0] == 2
+    assert d.finish_us == pytest.approx(1020.0)
+
+
 def test_earliest_slot_api():
     plan, profs = _one_pool_case(nv=2, bs=1)
     s = Scheduler(plan, profs)

@@ -75,7 +75,10 @@ Policies (``POLICIES``; a :class:`Policy` is knobs of the one algorithm, not a c
   dispatch the n now. Otherwise reserve the path and dispatch the b earliest deadlines; repeat.
   ``probe``: per pool, each live vGPU's input transfer (joint uplink + downlink slot, only when
   the previous vGPU is on another server) then its inference slot, both the earliest that fits
-  (gaps included); the vGPU finishing first wins (ties: the vGPU whose server uplink frees first, then the lowest id).
+  (gaps included); the vGPU whose output can leave first wins: its finish, or, where a transfer
+  follows (not the last pool), the first time after it that its server's uplink is free for that
+  transfer (as the PPipe artifact's ``ReservationOffer.reserve``); ties: the earlier finish, the
+  vGPU whose server uplink frees first, then the lowest id.
 - ``reactive`` (the paper's ablation: per-pool adaptive batching, no reservations). Each pool
   batches on its own whenever one of its vGPUs is idle: first pools take from the model's
   queue (pipelines in id order), later pools from their own queue, fed by the reports of the

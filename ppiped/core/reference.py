@@ -155,13 +155,18 @@ class RefScheduler:
                     tx = s
                     ready = tx + T
                 s = self.T.earliest([v], ready, lat)
-                # ties: the vGPU whose server uplink frees first, then the lowest id
+                f = s + lat
+                # score: when the output can leave (the uplink free for the next transfer after
+                # the finish; the finish itself in the last pool); ties: the earlier finish, the
+                # vGPU whose server uplink frees first, then the lowest id
+                Tn = float(L.tin[pool + 1, b - 1]) if k + 1 < int(L.pipe_npools[p]) else 0.0
+                c = self.T.earliest([self._up(sv)], f, Tn) if Tn > 0 else f
                 up = self.T.rows[self._up(sv)]
                 u = max(max((e for _, e, _ in up), default=-INF), t)
-                key = (s + lat, u, v)
+                key = (c, f, u, v)
                 if best is None or key < best[0]:
                     best = (key, v, tx, s)
-            (f, _, _), v, tx, s = best
+            (_, f, _, _), v, tx, s = best
             sv = int(L.v_server[v])
             if tx is not None:
                 tent += [(self._up(prev_s), tx, tx + T), (self._down(sv), tx, tx + T)]
