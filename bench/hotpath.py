@@ -73,7 +73,7 @@ def _server(d: Path, bs: int, vgpus: int) -> tuple[Server, zmq.Socket, zmq.Socke
     return srv, cl, ex, ctx
 
 
-def run(requests: int, per_message: int, bs: int, vgpus: int, copy_from: int = 2) -> dict:
+def run(requests: int, per_message: int, bs: int, vgpus: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="ppiped-hot-") as d:
         srv, cl, ex, ctx = _server(Path(d), bs, vgpus)
         payload = b"p" * 64
@@ -88,7 +88,7 @@ def run(requests: int, per_message: int, bs: int, vgpus: int, copy_from: int = 2
                 send_parts(cl, [wire.submit("tiny", 0, ids), *([payload] * k)])
                 assert srv.client.poll(1000)
                 t0 = pc()
-                srv.on_client(recv_parts(srv.client, 0, copy_from))
+                srv.on_client(recv_parts(srv.client, 0))
                 srv.after_clients()
                 t_submit += pc() - t0
                 sent += k
@@ -98,7 +98,7 @@ def run(requests: int, per_message: int, bs: int, vgpus: int, copy_from: int = 2
                 t_submit += pc() - t0
                 time.sleep(0.001)
             while ex.poll(0):  # the executor: answer each dispatch at once
-                m = recv_parts(ex, 0, 1)
+                m = recv_parts(ex, 0)
                 h = wire.decode(m[0])
                 _, _, bid, path, starts, rids = h
                 fb = []
@@ -107,7 +107,7 @@ def run(requests: int, per_message: int, bs: int, vgpus: int, copy_from: int = 2
                 send_parts(ex, [wire.result(bid, rids, None, (), fb), *m[1:]])
                 assert srv.exe.poll(1000)
                 t0 = pc()
-                srv.on_exec(recv_parts(srv.exe, 0, copy_from))
+                srv.on_exec(recv_parts(srv.exe, 0))
                 srv.after_execs()
                 t_result += pc() - t0
             while cl.poll(0):
@@ -130,15 +130,11 @@ def main() -> int:
     ap.add_argument("--bs", type=int, default=16)
     ap.add_argument("--vgpus", type=int, default=4, help="vGPUs per pool")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--zero-copy", action="store_true",
-                    help="receive payloads as zmq.Frame, never copied (as for frames >= 64 KiB)")
     args = ap.parse_args()
-    cf = 0 if args.zero_copy else 2
-    run(2000, args.per_message, args.bs, args.vgpus, cf)  # JIT and caches
-    rounds = [run(args.requests, args.per_message, args.bs, args.vgpus, cf) for _ in range(args.repeat)]
+    run(2000, args.per_message, args.bs, args.vgpus)  # JIT and caches
+    rounds = [run(args.requests, args.per_message, args.bs, args.vgpus) for _ in range(args.repeat)]
     best = min(rounds, key=lambda r: r["us_per_request"])
     print(json.dumps({"bench": "hotpath", "requests": args.requests, "per_message": args.per_message,
-                      "payloads": "zmq.Frame" if args.zero_copy else "bytes",
                       "bs": args.bs, **{k: round(v, 3) for k, v in best.items()},
                       "rounds_us_per_request": [round(r["us_per_request"], 3) for r in rounds]}), flush=True)
     return 0

@@ -8,7 +8,8 @@ load-generator process offering Poisson load. Figures: requests/s accepted, sche
 answered (OK) end to end as the client counts them, and the scheduler's own overhead per request
 from the daemon's ctl status: time from reading the request (or from the moment the core's
 wait-until expired, for requests that waited on purpose to fill a batch) to handing its batch to
-the executor socket.
+the executor socket. The scheduler gets a CPU of its own (``--no-pin``: shares both), and the
+run reports the host's steal time, which the latency tail follows on a virtual machine.
 
 ``recovery``: the tiny two-pool plan with realistic latencies over two executor processes;
 SIGKILL one mid-run. Figures: requests never answered (must be 0), and how long after the kill
@@ -50,6 +51,14 @@ def _cpu_split(pin: bool) -> tuple[list[int] | None, list[int] | None]:
     return cpus[:1], cpus[1:]
 
 
+def _steal_jiffies() -> int:
+    """CPU time the hypervisor gave to other guests (``steal`` in /proc/stat; 0 off Linux/VMs)."""
+    try:
+        return int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[8])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def emit(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
@@ -78,9 +87,11 @@ def ingest(args: argparse.Namespace) -> dict:
             t0 = time.monotonic()
             pids = {"scheduler": c.server.pid, "executor": c.executors[0].pid, "loadgen": os.getpid()}
             cpu0 = {k: _cpu_s(p) for k, p in pids.items()}
+            steal0 = _steal_jiffies()
             r = uvloop.run(run_load(c.client_endpoint, {"tiny": args.rate}, args.duration, frame_bytes=64,
                                     seed=args.seed, tick_us=args.tick_us))
             cpu = {k: round((_cpu_s(p) - cpu0[k]) / args.duration, 3) for k, p in pids.items()}
+            steal = (_steal_jiffies() - steal0) / os.sysconf("SC_CLK_TCK")
             wall = time.monotonic() - t0
             after = c.status()
         tot = r["total"]
@@ -96,6 +107,9 @@ def ingest(args: argparse.Namespace) -> dict:
             "mean_batch": after["models"]["tiny"]["mean_batch"], "wall_s": wall,
             "scheduler_cpu_us_per_request": 1e6 * (after["cpu_s"] - before["cpu_s"]) / max(1, ok),
             "cores_used": cpu, "host_load_avg": os.getloadavg()[0],
+            # a VM's stolen CPU stalls the scheduler for milliseconds at a time: the latency tail
+            # follows it (see README)
+            "host_steal_pct": round(100 * steal / (args.duration * (os.cpu_count() or 1)), 2),
             "wake_late_p99_us": after["wake_late_us"].get("p99"), "scheduler_cpus": sched_cpus,
         }
         emit(**out)

@@ -265,8 +265,7 @@ class Server:
             self.zctx.destroy(0)
             raise
         self.timers = Timers(self.loop)
-        self.client_reader = Reader(self.loop, self.client, self.on_client, after=self.after_clients,
-                                    payload_from=2)
+        self.client_reader = Reader(self.loop, self.client, self.on_client, after=self.after_clients)
         self.exe_reader = Reader(self.loop, self.exe, self.on_exec, after=self.after_execs)
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
         await self._start_ops()
@@ -539,6 +538,8 @@ class Server:
         return self._v
 
     def _dispatch(self, act: Any, due: int) -> None:
+        """Send every batch the core decided on, then do the bookkeeping: after a stall the core
+        may dispatch a dozen batches at once, and the last should not wait for the others' books."""
         n = act.n_dispatch
         v = self._views(act)
         path_a = v["path"][:n].tolist()
@@ -547,63 +548,73 @@ class Server:
         bss = v["bs"][:n].tolist()
         res0 = v["res_start"][:n].tolist()
         nres = v["n_res_of"][:n].tolist()
-        fins = v["finish_us"][:n].tolist()
-        models = v["model"][:n].tolist()
         nr = act.n_res
-        handles = v["handle"][:nr].tolist()
-        kinds = v["kind"][:nr].tolist()
-        hops = v["hop"][:nr].tolist()
-        starts = v["start_us"][:nr].tolist()
+        res = (v["handle"][:nr].tolist(), v["kind"][:nr].tolist(), v["hop"][:nr].tolist(),
+               v["start_us"][:nr].tolist())
+        kinds, hops, starts = res[1], res[2], res[3]
         rids = v["req_id"][:act.n_req].tolist()
         exe = self.exe
         reqs = self.reqs
-        ov = self.overhead
+        vgpu_exec = self.vgpu_exec
+        sent = []
         for i in range(n):
             k = nhops[i]
             path = path_a[i][:k]
-            infer_h = [0] * k
-            link_h: list[tuple[int, int] | None] = [None] * k
-            hop_start = [0.0] * k
-            up = {}
-            for j in range(res0[i], res0[i] + nres[i]):
-                kind, hop = kinds[j], hops[j]
-                if kind == 0:  # infer
-                    infer_h[hop] = handles[j]
-                    hop_start[hop] = starts[j]
-                elif kind == 1:  # uplink
-                    up[hop] = handles[j]
-                elif kind == 2:  # downlink
-                    link_h[hop] = (up.get(hop, -1), handles[j])
-            batch_reqs = {}
-            frames = []
-            for rid in rids[req0[i]:req0[i] + bss[i]]:
-                r = reqs.pop(rid)
-                batch_reqs[rid] = r
-                frames.append(r.frame)
-            bid = self.next_batch
-            self.next_batch += 1
-            execs = [self.vgpu_exec[x] for x in path]
-            ex0 = execs[0]
-            if ex0 is None or any(e is None for e in execs):
+            execs = [vgpu_exec[x] for x in path]
+            batch_reqs = {rid: reqs.pop(rid) for rid in rids[req0[i]:req0[i] + bss[i]]}
+            if None in execs:
                 # cannot happen while the core only uses live vGPUs; be safe: back to the queue
                 self._requeue(list(batch_reqs.values()))
                 continue
-            starts_x = [int(hop_start[h]) + execs[h].offset for h in range(k)]
-            b = Batch(bid, models[i], path, infer_h, link_h, batch_reqs, fins[i])
-            self.batches[bid] = b
-            st = self.stats[models[i]]
-            st.batches += 1
-            st.batch_reqs += len(batch_reqs)
+            hop_start = [0] * k
+            for j in range(res0[i], res0[i] + nres[i]):
+                if kinds[j] == 0:  # infer
+                    hop_start[hops[j]] = int(starts[j])
+            bid = self.next_batch
+            self.next_batch += 1
             try:
-                send_parts(exe, [ex0.ident, wire.dispatch(bid, path, starts_x, list(batch_reqs)), *frames])
+                send_parts(exe, [execs[0].ident,
+                                 wire.dispatch(bid, path, [hop_start[h] + execs[h].offset for h in range(k)],
+                                               list(batch_reqs)),
+                                 *[r.frame for r in batch_reqs.values()]])
             except zmq.ZMQError as e:  # the executor's connection is gone (mandatory routing)
                 log.warning("dispatch-failed", vgpu=path[0], error=str(e))
-                self.remove_executor(ex0, "unreachable")
+                self._book(act, i, bid, path, batch_reqs, res, due, 0)
+                self.remove_executor(execs[0], "unreachable")  # loses the batch: requeued
                 continue
-            t = now_us()
+            sent.append((i, bid, path, batch_reqs, now_us()))
+        for i, bid, path, batch_reqs, t in sent:
+            self._book(act, i, bid, path, batch_reqs, res, due, t)
+
+    def _book(self, act: Any, i: int, bid: int, path: list[int], batch_reqs: dict[int, Req],
+              res: tuple[list, ...], due: int, sent_at: int) -> None:
+        """Record dispatched batch ``i``: its reservation handles (for feedback and for voiding
+        them if it is lost), stats, and each request's overhead (``sent_at`` 0: not sent)."""
+        v = self._v
+        handles, kinds, hops, _ = res
+        k = len(path)
+        infer_h = [0] * k
+        link_h: list[tuple[int, int] | None] = [None] * k
+        up = {}
+        r0 = int(v["res_start"][i])
+        for j in range(r0, r0 + int(v["n_res_of"][i])):
+            kind, hop = kinds[j], hops[j]
+            if kind == 0:  # infer
+                infer_h[hop] = handles[j]
+            elif kind == 1:  # uplink
+                up[hop] = handles[j]
+            elif kind == 2:  # downlink
+                link_h[hop] = (up.get(hop, -1), handles[j])
+        model = int(v["model"][i])
+        self.batches[bid] = Batch(bid, model, path, infer_h, link_h, batch_reqs, float(v["finish_us"][i]))
+        st = self.stats[model]
+        st.batches += 1
+        st.batch_reqs += len(batch_reqs)
+        if sent_at:
+            ov = self.overhead
             j = self.n_overhead
             for r in batch_reqs.values():
-                ov[j & (OVERHEAD_SAMPLES - 1)] = t - (r.recv if r.recv > due else due)
+                ov[j & (OVERHEAD_SAMPLES - 1)] = sent_at - (r.recv if r.recv > due else due)
                 j += 1
             self.n_overhead = j
 

@@ -209,7 +209,7 @@ class Executor:
             return 2
         self.timers = Timers(self.loop)
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
-        self.data_reader = Reader(self.loop, self.data, self.on_data, payload_from=1)
+        self.data_reader = Reader(self.loop, self.data, self.on_data)
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 self.loop.add_signal_handler(sig, self.stop, 0)
