@@ -224,6 +224,28 @@ def correct(F, A, tb, r, h, a, b, horizon):
     if add and i < 0 and room(A, tb, r) <= 0:
         return 1
     base = r * cap
+    if add and i >= 0:
+        os = tb[0] + base
+        lo = A[tb[3] + r]
+        hi = A[tb[4] + r]
+        if (i == lo or F[os + i - 1] < a) and (i + 1 == hi or F[os + i + 1] >= a):
+            # the usual report: [a, b) keeps the old interval's place among the starts, so
+            # removing and re-inserting it would put it back here; rewrite it in place
+            oe = tb[1] + base
+            if i > lo and F[oe + i - 1] > a:
+                F[oe + i - 1] = a
+            F[os + i] = a
+            F[oe + i] = b
+            cur = b
+            for q in range(i + 1, hi):
+                if F[os + q] >= cur:
+                    break
+                dur = F[oe + q] - F[os + q]
+                F[os + q] = cur
+                F[oe + q] = cur + dur
+                cur = F[oe + q]
+            _retail(F, A, tb, r)
+            return 0
     if i >= 0:
         for k in range(i, A[tb[4] + r] - 1):
             _move(F, A, tb, base, k, k + 1)

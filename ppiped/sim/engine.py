@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numba
 import numpy as np
 from numba import njit
 from numba.core import caching as _nbcache
@@ -67,6 +68,7 @@ from ..kernels.state import (
     X_OX_REASON,
     X_OX_RID,
     X_Q_DIRTY,
+    _voidptr,
     off,
 )
 
@@ -195,7 +197,7 @@ RB_CAP = 16  # reports buffered per event (an event makes at most 2)
 # --- jitter: a counter-based stream, so results never depend on a global RNG's history --------
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def mix64(z):
     """splitmix64's finaliser on a uint64."""
     z = z + np.uint64(0x9E3779B97F4A7C15)
@@ -204,13 +206,13 @@ def mix64(z):
     return z ^ (z >> np.uint64(31))
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _unit(z):
     """uint64 -> uniform in (0, 1)."""
     return ((z >> np.uint64(11)) + 0.5) * (1.0 / 9007199254740992.0)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def jitter(seed, n, sigma):
     """Factor of use ``n``: lognormal with median 1 and log-sd ``sigma`` (exactly 1 at sigma 0)."""
     if sigma == 0.0:
@@ -225,68 +227,67 @@ def jitter(seed, n, sigma):
 # --- the event heap: (time, sequence) keys, payload = kind | item << 2 -----------------------
 
 
-@njit(cache=True)
-def _less(et, es, i, j):
-    return et[i] < et[j] or (et[i] == et[j] and es[i] < es[j])
-
-
-@njit(cache=True)
-def _swap3(et, es, ex, i, j):
-    t = et[i]
-    et[i] = et[j]
-    et[j] = t
-    s = es[i]
-    es[i] = es[j]
-    es[j] = s
-    x = ex[i]
-    ex[i] = ex[j]
-    ex[j] = x
-
-
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def ev_push(si, et, es, ex, t, kind, item):
+    # sift the new event up from the end, moving parents down into the hole
     i = si[I_EH_N]
-    et[i] = t
-    es[i] = si[I_EH_SEQ]
-    ex[i] = kind | (item << 2)
-    si[I_EH_SEQ] += 1
+    s = si[I_EH_SEQ]
+    si[I_EH_SEQ] = s + 1
     si[I_EH_N] = i + 1
     while i > 0:
         p = (i - 1) >> 1
-        if not _less(et, es, i, p):
+        tp = et[p]
+        if not (t < tp or (t == tp and s < es[p])):
             break
-        _swap3(et, es, ex, i, p)
+        et[i] = tp
+        es[i] = es[p]
+        ex[i] = ex[p]
         i = p
+    et[i] = t
+    es[i] = s
+    ex[i] = kind | (item << 2)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def ev_pop(si, et, es, ex):
     """Remove the earliest event; returns its payload (its time was ``et[0]``)."""
     x = ex[0]
     n = si[I_EH_N] - 1
     si[I_EH_N] = n
     if n > 0:
-        et[0] = et[n]
-        es[0] = es[n]
-        ex[0] = ex[n]
+        # sift the last event down from the root, moving the smaller child up into the hole
+        t = et[n]
+        s = es[n]
         i = 0
         while True:
             c = 2 * i + 1
             if c >= n:
                 break
-            if c + 1 < n and _less(et, es, c + 1, c):
-                c += 1
-            if not _less(et, es, c, i):
+            tc = et[c]
+            sc = es[c]
+            if c + 1 < n:
+                t2 = et[c + 1]
+                s2 = es[c + 1]
+                if t2 < tc or (t2 == tc and s2 < sc):
+                    c += 1
+                    tc = t2
+                    sc = s2
+            if not (tc < t or (tc == t and sc < s)):
                 break
-            _swap3(et, es, ex, i, c)
+            et[i] = tc
+            es[i] = sc
+            ex[i] = ex[c]
             i = c
+        et[i] = t
+        es[i] = s
+        ex[i] = ex[n]
     return x
 
 
 # --- simulated executors ----------------------------------------------------------------------
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _enqueue_job(si, j, v, v_head, j_next, bhf):
     """Put job ``j`` (its input is on ``v`` now) into ``v``'s list, ordered by (reserved start, j)."""
     Kd = si[I_K]
@@ -306,7 +307,7 @@ def _enqueue_job(si, j, v, v_head, j_next, bhf):
         j_next[prev] = j
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _try_start(si, sf, now, v, v_head, v_run, v_timer, v_busy, j_next, bi, bhf, v_pool, lat,
                et, es, ex):
     """Start ``v``'s head job if ``v`` is free and the job's reserved start has come; else arm a
@@ -341,7 +342,7 @@ def _try_start(si, sf, now, v, v_head, v_run, v_timer, v_busy, j_next, bi, bhf, 
     ev_push(si, et, es, ex, end, EV_END, j)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _nic_prune(nic_s, nic_e, nic_n, r, now):
     """Forget the transfers of NIC row ``r`` that ended by ``now``."""
     n = nic_n[r]
@@ -355,7 +356,7 @@ def _nic_prune(nic_s, nic_e, nic_n, r, now):
         nic_n[r] = n - k
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _nic_insert(si, nic_s, nic_e, nic_n, r, a, b):
     n = nic_n[r]
     i = n
@@ -370,7 +371,7 @@ def _nic_insert(si, nic_s, nic_e, nic_n, r, a, b):
         si[I_NIC_MAXN] = n + 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _transfer(si, sf, now, ask, up, down, dur, nic_s, nic_e, nic_n, nic_busy):
     """A transfer of ``dur`` µs over NIC rows ``up`` and ``down``, not before ``ask``: it takes
     the first time both links are free for ``dur`` (filling gaps between transfers already
@@ -397,7 +398,7 @@ def _transfer(si, sf, now, ask, up, down, dur, nic_s, nic_e, nic_n, nic_busy):
     return s
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _end_request(si, rid, now, arr_t, arr_m, slo, r_state, r_end, miss, miss_allow, state):
     if r_state[rid] != R_PENDING:
         si[I_TWICE] += 1
@@ -414,13 +415,19 @@ def _end_request(si, rid, now, arr_t, arr_m, slo, r_state, r_end, miss, miss_all
         si[I_STOP] = 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _buffer_report(si, rb_h, rb_f, h, a, b):
     i = si[I_RB_N]
     rb_h[i] = h
     rb_f[i, 0] = a
     rb_f[i, 1] = b
     si[I_RB_N] = i + 1
+
+
+@njit(cache=True, inline="always")
+def _nv(a):
+    """``a`` as a view without a memory owner (valid while ``a`` is alive: during the call)."""
+    return numba.carray(_voidptr(a.ctypes.data), a.shape, a.dtype)
 
 
 # --- the loop ---------------------------------------------------------------------------------
@@ -433,10 +440,47 @@ def run_loop(A, si, sf, arr_t, arr_m, slo, miss_allow, v_pool, v_server, lat, ti
              v_head, v_run, v_timer, v_busy, r_state, r_end, miss, rb_h, rb_f, tl_i, tl_f):
     """Run until every request has ended (DONE), the miss budget is spent (STOPPED), or an array
     is full (a core ``FULL_*`` status or ``SIM_FULL_*``): then grow it and call again."""
+    # owner-less views of every array (see kernels.state.raw): numba reference-counts owned
+    # arrays with an atomic instruction at every call that passes them, which cost about half
+    # of the loop's own time
+    A = _nv(A)
+    si = _nv(si)
+    sf = _nv(sf)
+    arr_t = _nv(arr_t)
+    arr_m = _nv(arr_m)
+    slo = _nv(slo)
+    miss_allow = _nv(miss_allow)
+    v_pool = _nv(v_pool)
+    v_server = _nv(v_server)
+    lat = _nv(lat)
+    tin = _nv(tin)
+    nic_s = _nv(nic_s)
+    nic_e = _nv(nic_e)
+    nic_n = _nv(nic_n)
+    nic_busy = _nv(nic_busy)
+    et = _nv(et)
+    es = _nv(es)
+    ex = _nv(ex)
+    bi = _nv(bi)
+    bhi = _nv(bhi)
+    bhf = _nv(bhf)
+    breq = _nv(breq)
+    j_next = _nv(j_next)
+    v_head = _nv(v_head)
+    v_run = _nv(v_run)
+    v_timer = _nv(v_timer)
+    v_busy = _nv(v_busy)
+    r_state = _nv(r_state)
+    r_end = _nv(r_end)
+    miss = _nv(miss)
+    rb_h = _nv(rb_h)
+    rb_f = _nv(rb_f)
+    tl_i = _nv(tl_i)
+    tl_f = _nv(tl_f)
     n_arr = arr_t.shape[0]
     Kd = si[I_K]
     reactive = si[I_REACTIVE] != 0
-    F = A.view(np.float64)
+    F = _nv(A.view(np.float64))
     while True:
         ph = si[I_PHASE]
         now = sf[G_NOW]
