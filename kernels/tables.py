@@ -152,6 +152,18 @@ def _first_at_or_after(F, os, lo, hi, t):
     return lo
 
 
+@njit(cache=True, inline="always")
+def _push_later(F, os, oe, q, hi, cur):
+    """Shift the intervals from row position ``q`` on that start before ``cur`` to start at the
+    end of the one before them, keeping their durations (a reservation ran long)."""
+    while q < hi and F[os + q] < cur:
+        dur = F[oe + q] - F[os + q]
+        F[os + q] = cur
+        F[oe + q] = cur + dur
+        cur = F[oe + q]
+        q += 1
+
+
 @njit(i8(F1, I1, TB, i8, f8, f8, i8), cache=True)
 def insert(F, A, tb, r, s, e, h):
     """Insert ``[s, e)`` with handle ``h`` into row ``r``; the caller guarantees that it overlaps
@@ -236,14 +248,7 @@ def correct(F, A, tb, r, h, a, b, horizon):
                 F[oe + i - 1] = a
             F[os + i] = a
             F[oe + i] = b
-            cur = b
-            for q in range(i + 1, hi):
-                if F[os + q] >= cur:
-                    break
-                dur = F[oe + q] - F[os + q]
-                F[os + q] = cur
-                F[oe + q] = cur + dur
-                cur = F[oe + q]
+            _push_later(F, os, oe, i + 1, hi, b)
             _retail(F, A, tb, r)
             return 0
     if i >= 0:
@@ -258,27 +263,14 @@ def correct(F, A, tb, r, h, a, b, horizon):
     os = tb[0] + base
     oe = tb[1] + base
     lo = A[tb[3] + r]
-    j = lo  # predecessor: the last interval starting before a
-    k = A[tb[4] + r]
-    while j < k:
-        m = (j + k) >> 1
-        if F[os + m] < a:
-            j = m + 1
-        else:
-            k = m
+    j = _first_at_or_after(F, os, lo, A[tb[4] + r], a)  # its predecessor is the last before a
     if j > lo and F[oe + j - 1] > a:
         F[oe + j - 1] = a
     pos = insert(F, A, tb, r, a, b, h)
-    cur = b
-    for q in range(pos + 1, A[tb[4] + r]):
-        if F[os + q] >= cur:
-            break
-        dur = F[oe + q] - F[os + q]
-        F[os + q] = cur
-        F[oe + q] = cur + dur
-        cur = F[oe + q]
+    _push_later(F, os, oe, pos + 1, A[tb[4] + r], b)
     _retail(F, A, tb, r)
     return 0
+
 
 
 @njit(cache=True, inline="always")
