@@ -195,6 +195,14 @@ def _out_slot(F, A, tb, u, f, Tn, limit):
     return earliest1_cut(F, A, tb, u, f, Tn, 0.0, limit + Tn)
 
 
+@njit(cache=True, inline="always")
+def _better(c, f, u, v, best_c, best_f, best_u, best_v):
+    """The probe's order: earlier output slot, then earlier finish, then the earlier-free
+    server uplink, then the lower vGPU id."""
+    return c < best_c or (c == best_c and (f < best_f or (f == best_f and (
+        u < best_u or (u == best_u and v < best_v)))))
+
+
 @njit(types.Tuple((i8, f8, f8, b1, f8))(I1, F1, TB, i8, i8, i8, f8, f8, f8, i8, f8), cache=True)
 def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn):
     """Hop ``k`` of a probe: the live vGPU of ``pool`` whose output can leave first.
@@ -267,8 +275,7 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn):
                 cache_c = _out_slot(F, A, tb, up, f, Tn, best_c)
             c = cache_c
             u = max(F[o_tail + up], t)
-            if c < best_c or (c == best_c and (f < best_f or (f == best_f and (
-                    u < best_u or (u == best_u and v < best_v))))):
+            if _better(c, f, u, v, best_c, best_f, best_u, best_v):
                 best_c = c
                 best_f = f
                 best_u = u
@@ -294,8 +301,7 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn):
         up = V + 2 * A[o_vs + v]
         c = _out_slot(F, A, tb, up, f, Tn, best_c)
         u = max(F[o_tail + up], t)
-        if c < best_c or (c == best_c and (f < best_f or (f == best_f and (
-                u < best_u or (u == best_u and v < best_v))))):
+        if _better(c, f, u, v, best_c, best_f, best_u, best_v):
             best_c = c
             best_f = f
             best_u = u
