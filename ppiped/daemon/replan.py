@@ -103,7 +103,6 @@ class Replanner:
         self.last: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
         self.prep_id = 0  # the latest PREPARE sent
-        self.outstanding: dict[bytes, int] = {}  # executor -> PREPAREs it has not answered yet
         self.waiting: set[bytes] = set()  # executors whose answer to the current PREPARE is awaited
         self.answers: dict[bytes, tuple[int, str]] = {}  # current PREPARE: executor -> (load µs, error)
         self.answered: asyncio.Event | None = None
@@ -204,7 +203,6 @@ class Replanner:
         for ident, a in assignments.items():
             if srv._send_exec(ident, wire.prepare(self.prep_id, a)):
                 self.waiting.add(ident)
-                self.outstanding[ident] = self.outstanding.get(ident, 0) + 1
         if not self.waiting:
             self.answered.set()
 
@@ -214,24 +212,17 @@ class Replanner:
                 await asyncio.wait_for(self.answered.wait(), timeout_s)
 
     def on_preloaded(self, ident: bytes, prep: int, load_us: int, error: str) -> None:
-        n = self.outstanding.get(ident, 0)
-        if n <= 0:
+        if prep != self.prep_id or ident not in self.waiting:  # an earlier PREPARE's, or unasked
             self.srv.counters["stale_preloaded"] += 1
             return
-        if n == 1:
-            del self.outstanding[ident]
-        else:
-            self.outstanding[ident] = n - 1
-        if prep == self.prep_id and ident in self.waiting:
-            self.waiting.discard(ident)
-            self.answers[ident] = (load_us, error)
-            if error:
-                log.warning("preload-failed", executor=ident.decode(errors="replace"), error=error)
+        self.waiting.discard(ident)
+        self.answers[ident] = (load_us, error)
+        if error:
+            log.warning("preload-failed", executor=ident.decode(errors="replace"), error=error)
         self._check()
 
     def forget(self, ident: bytes) -> None:
-        """An executor left: stop waiting for its answers."""
-        self.outstanding.pop(ident, None)
+        """An executor left: stop waiting for its answer."""
         self.waiting.discard(ident)
         self._check()
 
@@ -303,11 +294,9 @@ async def preload(srv: Server, core: Scheduler) -> tuple[set[bytes], dict[str, A
     if timeout_ms <= 0:
         return set(), {"preload": "off"}
     lay = core.layout
-    nv = lay.num_vgpus
-    plans = {ex.ident: [srv._assignment(v, lay).to_wire() for v in ex.vgpus if v < nv]
-             for ex in srv.execs.values()}
+    nxt = [srv._assignment(v, lay) for v in range(lay.num_vgpus)]
     t0 = now_us()
-    rp.prepare(plans)
+    rp.prepare({ex.ident: srv.wire_assignments(ex.vgpus, nxt) for ex in srv.execs.values()})
     sent = set(rp.waiting)
     await rp.wait_preloaded(timeout_ms / 1000)
     done = {i for i, (_, err) in rp.answers.items() if not err} & set(srv.execs)
@@ -322,8 +311,7 @@ async def preload(srv: Server, core: Scheduler) -> tuple[set[bytes], dict[str, A
 def cancel_preload(srv: Server) -> None:
     """A migration given up after PREPARE: re-PREPARE the assignments in force, which loads nothing
     and makes every executor drop what it preloaded."""
-    srv.replanner.prepare({ex.ident: [srv.assignments[v].to_wire() for v in ex.vgpus if v < srv.nv]
-                           for ex in srv.execs.values()})
+    srv.replanner.prepare({ex.ident: srv.wire_assignments(ex.vgpus) for ex in srv.execs.values()})
 
 
 async def migrate(srv: Server, plan: Plan) -> dict[str, Any]:

@@ -737,8 +737,13 @@ class Server:
     def _welcome(self, ident: bytes, vgpus: list[int]) -> None:
         """WELCOME with the assignments in force; vGPUs the plan lacks wait on standby until a plan
         has them (a replan to fewer vGPUs, or an executor started ahead of the plan that needs it)."""
-        self._send_exec(ident, wire.welcome([self.assignments[v].to_wire() for v in vgpus if v < self.nv],
-                                            self.cfg.heartbeat_interval_ms))
+        self._send_exec(ident, wire.welcome(self.wire_assignments(vgpus), self.cfg.heartbeat_interval_ms))
+
+    def wire_assignments(self, vgpus: list[int], assignments: list[wire.Assignment] | None = None) -> list[list]:
+        """The assignments (those in force by default) of the vGPUs among ``vgpus`` that the plan
+        has, as WELCOME and PREPARE carry them; the others are on standby."""
+        a = self.assignments if assignments is None else assignments
+        return [a[v].to_wire() for v in vgpus if v < len(a)]
 
     def alive_vgpus(self) -> int:
         """vGPUs of the plan in force whose executor is ready."""

@@ -362,12 +362,16 @@ class Executor:
         else:
             self._close_workers(p.workers.values())
 
+    def _serving(self, a: wire.Assignment) -> Worker | None:
+        """The worker that already serves exactly assignment ``a``, if any."""
+        w = self.workers.get(a.vgpu)
+        return w if w is not None and a.to_wire() in (self.assign_key or ()) else None
+
     async def _preload(self, p: Prep) -> None:
         t0 = now_us()
-        cur = {x[0]: x for x in self.assign_key or ()}
         try:
             for a in p.assignments:
-                if cur.get(a.vgpu) == a.to_wire() and a.vgpu in self.workers:
+                if self._serving(a) is not None:
                     continue  # unchanged: the worker serving it now goes on serving it
                 p.workers[a.vgpu] = await self._make_worker(a)
         except (UserError, ValueError, OSError, RuntimeError) as e:
@@ -386,12 +390,9 @@ class Executor:
         running), close the ones it replaces; load from scratch if the preload failed."""
         if p.task is not None and not p.task.done():
             await asyncio.shield(p.task)
-        cur = {x[0]: x for x in self.assign_key or ()}
         new: dict[int, Worker] = {}
         for a in assignments:
-            w = p.workers.get(a.vgpu)
-            if w is None and cur.get(a.vgpu) == a.to_wire():
-                w = self.workers.get(a.vgpu)
+            w = p.workers.get(a.vgpu) or self._serving(a)
             if w is None or p.error:
                 self._close_workers(p.workers.values())
                 await self._load(assignments, key)
