@@ -8,8 +8,10 @@ load-generator process offering Poisson load. Figures: requests/s accepted, sche
 answered (OK) end to end as the client counts them, and the scheduler's own overhead per request
 from the daemon's ctl status: time from reading the request (or from the moment the core's
 wait-until expired, for requests that waited on purpose to fill a batch) to handing its batch to
-the executor socket. The scheduler gets a CPU of its own (``--no-pin``: shares both), and the
-run reports the host's steal time, which the latency tail follows on a virtual machine.
+the executor socket. The scheduler's event loop gets a CPU of its own and its ZeroMQ I/O thread
+shares the other with the executors and the load generator (``[threads]`` in the config;
+``--no-pin``: everything shares every CPU). The run reports the host's steal time, which the
+latency tail follows on a virtual machine.
 
 ``recovery``: the tiny two-pool plan with realistic latencies over two executor processes;
 SIGKILL one mid-run. Figures: requests never answered (must be 0), and how long after the kill
@@ -36,15 +38,25 @@ from ppiped.daemon.launch import LocalCluster, short_tmpdir, write_config
 from ppiped.executor import tiny
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process has used, all threads included."""
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds (user + system) a process has used, all threads included, or one thread's."""
+    stat = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
+    f = Path(stat).read_text().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _io_threads(pid: int) -> list[int]:
+    """Thread ids of ZeroMQ's I/O threads in process ``pid``."""
+    tids = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        if Path(f"/proc/{pid}/task/{tid}/comm").read_text().startswith("ZMQbg/IO"):
+            tids.append(int(tid))
+    return tids
+
+
 def _cpu_split(pin: bool) -> tuple[list[int] | None, list[int] | None]:
-    """With ``pin``: the scheduler gets the first CPU of this process's set to itself, as an
-    operator gives it one (``CPUAffinity=`` in its unit); everything else shares the rest."""
+    """With ``pin``: the scheduler's event loop gets the first CPU of this process's set to itself,
+    as an operator gives it one (``[threads] loop_cpus``); everything else shares the rest."""
     cpus = sorted(os.sched_getaffinity(0))
     if not pin or len(cpus) < 2:
         return None, None
@@ -69,28 +81,31 @@ def ingest(args: argparse.Namespace) -> dict:
         prof = tiny.profile_json(block_us=(5.0, 5.0), max_bs=args.bs)
         plan, profiles = tiny.write_example(d, prof, vgpus=(args.vgpus, args.vgpus), bs=args.bs,
                                            slo_ms=args.slo_ms)
-        cfg = write_config(d, plan, profiles, heartbeat_ms=100, timeout_ms=2000)
+        sched_cpus, other_cpus = _cpu_split(args.pin)
+        threads = f"[threads]\nloop_cpus = {sched_cpus}\nio_cpus = {other_cpus}\n" if sched_cpus else ""
+        cfg = write_config(d, plan, profiles, heartbeat_ms=100, timeout_ms=2000, extra=threads)
         n = 2 * args.vgpus
         groups = [list(range(n))]
-        sched_cpus, other_cpus = _cpu_split(args.pin)
         mine = os.sched_getaffinity(0)
-        if other_cpus:
-            os.sched_setaffinity(0, other_cpus)  # the load generator stays off the scheduler's core
         with contextlib.ExitStack() as undo:
-            undo.callback(os.sched_setaffinity, 0, mine)
-            c = undo.enter_context(LocalCluster(cfg, groups, scheduler_cpus=sched_cpus,
-                                                executor_cpus=other_cpus))
+            c = undo.enter_context(LocalCluster(cfg, groups, executor_cpus=other_cpus))
+            if other_cpus:  # the load generator stays off the event loop's CPU
+                os.sched_setaffinity(0, other_cpus)
+                undo.callback(os.sched_setaffinity, 0, mine)
             # warm the path (first dispatches, socket connections), then measure a clean window
             asyncio.run(run_load(c.client_endpoint, {"tiny": 2000.0}, 1.0, frame_bytes=64))
             c.ctl("reset-overhead")
             before = c.status()
             t0 = time.monotonic()
-            pids = {"scheduler": c.server.pid, "executor": c.executors[0].pid, "loadgen": os.getpid()}
-            cpu0 = {k: _cpu_s(p) for k, p in pids.items()}
+            spid = c.server.pid
+            pids = {"scheduler": (spid, None), "scheduler_loop": (spid, spid),
+                    **{f"scheduler_io{i}": (spid, t) for i, t in enumerate(_io_threads(spid))},
+                    "executor": (c.executors[0].pid, None), "loadgen": (os.getpid(), None)}
+            cpu0 = {k: _cpu_s(*p) for k, p in pids.items()}
             steal0 = _steal_jiffies()
             r = uvloop.run(run_load(c.client_endpoint, {"tiny": args.rate}, args.duration, frame_bytes=64,
                                     seed=args.seed, tick_us=args.tick_us))
-            cpu = {k: round((_cpu_s(p) - cpu0[k]) / args.duration, 3) for k, p in pids.items()}
+            cpu = {k: round((_cpu_s(*p) - cpu0[k]) / args.duration, 3) for k, p in pids.items()}
             steal = (_steal_jiffies() - steal0) / os.sysconf("SC_CLK_TCK")
             wall = time.monotonic() - t0
             after = c.status()
@@ -110,7 +125,8 @@ def ingest(args: argparse.Namespace) -> dict:
             # a VM's stolen CPU stalls the scheduler for milliseconds at a time: the latency tail
             # follows it (see README)
             "host_steal_pct": round(100 * steal / (args.duration * (os.cpu_count() or 1)), 2),
-            "wake_late_p99_us": after["wake_late_us"].get("p99"), "scheduler_cpus": sched_cpus,
+            "wake_late_p50_us": after["wake_late_us"].get("p50"), "wake_late_p99_us": after["wake_late_us"].get("p99"),
+            "wakes": after["wake_late_us"].get("n"), "loop_cpus": sched_cpus, "io_cpus": other_cpus,
         }
         emit(**out)
         return out

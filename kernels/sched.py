@@ -779,14 +779,14 @@ def decide_reactive(A, now, fresh):
     return OK, A[H_OUT_ND], A[H_OUT_NX], INF
 
 
-@njit(i8(I1, i8, i8, f8, f8, i8), cache=True)
-def submit(A, rid, model, arrival, deadline, prio):
-    """Queue request ``rid`` of ``model``; FULL_SLOTS / FULL_QUEUE if the arena must grow."""
+@njit(cache=True, inline="always")
+def _enqueue(A, F, rid, model, arrival, deadline, prio):
+    """Queue one request; FULL_SLOTS / FULL_QUEUE (before touching anything) if the arena must grow.
+    The one copy of the enqueue logic, shared by :func:`submit` and :func:`submit_many`."""
     if A[H_NFREE] == 0:
         return FULL_SLOTS
     if A[off(A, X_Q_SIZE) + model] >= A[H_QC]:
         return FULL_QUEUE
-    A, F = raw(A)
     A[H_NFREE] -= 1
     slot = A[off(A, X_S_FREE) + A[H_NFREE]]
     F[off(A, X_S_DEADLINE) + slot] = deadline
@@ -797,6 +797,26 @@ def submit(A, rid, model, arrival, deadline, prio):
     push(F, A, queues_desc(A), model, slot)
     A[off(A, X_Q_DIRTY) + model] = 1
     return OK
+
+
+@njit(i8(I1, i8, i8, f8, f8, i8), cache=True)
+def submit(A, rid, model, arrival, deadline, prio):
+    """Queue request ``rid`` of ``model``; FULL_SLOTS / FULL_QUEUE if the arena must grow."""
+    A, F = raw(A)
+    return _enqueue(A, F, rid, model, arrival, deadline, prio)
+
+
+@njit(types.UniTuple(i8, 2)(I1, i8, i8, i8, f8, f8, i8, i8), cache=True)
+def submit_many(A, rid0, n, model, arrival, deadline, prio, i0):
+    """Queue requests ``rid0 + i0 .. rid0 + n - 1`` of ``model``, in that order, all with one
+    arrival and deadline (the accepted requests of one client message); the same as that many
+    :func:`submit` calls. Returns (status, index of the first one not queued)."""
+    A, F = raw(A)
+    for i in range(i0, n):
+        status = _enqueue(A, F, rid0 + i, model, arrival, deadline, prio)
+        if status != OK:
+            return status, i
+    return OK, n
 
 
 @njit(i8(I1, i8, i8), cache=True)

@@ -257,6 +257,39 @@ def test_growing_the_arena_changes_nothing(policy):
         assert sch.stats()["table_capacity"] >= 1
 
 
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from(["ppipe", "reactive", "ppipe-early-drop"]), st.booleans())
+def test_submit_many_is_repeated_submit(seed, policy, tiny):
+    """One ``submit_many`` per client message leaves the same state as a ``submit`` per request
+    (ties in deadline included, arena growth in the middle of a message included), so every
+    later decision is the same too."""
+    rnd = random.Random(seed)
+    plan, profiles = make_case(seed)
+    kw = dict(table_capacity=1, queue_capacity=1, request_slots=1) if tiny else {}
+    one, many = Scheduler(plan, profiles, policy, **kw), Scheduler(plan, profiles, policy, **kw)
+    lay = one.layout
+    rid, t = 0, 0.0
+    for _ in range(25):
+        t += rnd.uniform(0, float(np.min(lay.lat[:, 0])))
+        m = rnd.randrange(len(lay.models))
+        n = rnd.randint(0, 6)
+        deadline = t + float(lay.slo_us[m]) * rnd.uniform(0.3, 1.2)
+        for i in range(n):
+            one.submit(rid + i, m, t, deadline)
+        many.submit_many(rid, n, m, t, deadline)
+        rid += n
+        assert np.array_equal(one._A, many._A)
+        if rnd.random() < 0.5:
+            a, b = _kernel_actions(one.decide(t)), _kernel_actions(many.decide(t))
+            assert a == b
+            for d in a[0]:  # report every reservation as run, so reactive batches move on
+                for h, _, _, s, e in d[7]:
+                    one.report(h, s, e)
+                    many.report(h, s, e)
+    assert np.array_equal(one._A, many._A)
+    assert one.pending() == many.pending()
+
+
 def _one_pool_case(nv=2, bs=2, lat=100.0, slo=1000.0, parts=1):
     prof = Profile("m", 2, {"A": {1: np.array([[lat / 2, lat], [lat / 2, lat]])}}, np.array([1000.0]),
                    {"A": lat})

@@ -62,6 +62,11 @@ BASE = {"plan": "p.json", "profiles": "profiles"}
     ({"replan": {"algo": "gurobi"}}, "replan.algo", "ppipe, np or dart-r"),
     ({"replan": {"auto": "yes"}}, "replan.auto", "true or false"),
     ({"replan": {"every_s": 3}}, "replan", "unknown key(s) every_s"),
+    ({"threads": {"loop_cpus": 0}}, "threads.loop_cpus", "list of CPU numbers"),
+    ({"threads": {"io_cpus": [1, -1]}}, "threads.io_cpus", "list of CPU numbers"),
+    ({"threads": {"io_cpus": [1, 1]}}, "threads.io_cpus", "listed twice"),
+    ({"threads": {"io_threads": 0}}, "threads.io_threads", "integer >= 1"),
+    ({"threads": {"loop_cpu": [0]}}, "threads", "unknown key(s) loop_cpu"),
 ])
 def test_config_errors_name_key_and_problem(extra, key, problem):
     with pytest.raises(ConfigError) as e:

@@ -272,3 +272,46 @@ def test_scheduler_restart_executors_reregister(workdir):
             assert cl.submit("tiny", b"again").data == b"again"
     finally:
         c.stop()
+
+
+def _thread_cpus(pid: int) -> dict[str, set[int]]:
+    """Each thread of ``pid`` by name (the main thread as 'main') and the CPUs it may run on."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        name = "main" if int(tid) == pid else Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        out[name] = os.sched_getaffinity(int(tid))
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_threads_config_puts_the_loop_and_zeromq_io_on_their_cpus(workdir):
+    loop_cpu, io_cpu = sorted(os.sched_getaffinity(0))[:2]
+    c = make_cluster(workdir, "threads", extra=f"[threads]\nloop_cpus = [{loop_cpu}]\nio_cpus = [{io_cpu}]\n")
+    try:
+        c.start()
+        with Client(c.client_endpoint, timeout_s=10) as cl:
+            frame = np.ones(tiny.INPUT_SHAPE, np.float32).tobytes()
+            assert cl.submit("tiny", frame).data == frame  # emulated executors echo the input
+        cpus = _thread_cpus(c.server.pid)
+        assert cpus["main"] == {loop_cpu}, cpus
+        io = [v for k, v in cpus.items() if k.startswith("ZMQbg/IO")]
+        assert io and all(v == {io_cpu} for v in io), cpus
+    except BaseException:
+        show_logs(c)
+        raise
+    finally:
+        c.stop()
+
+
+def test_threads_config_with_a_cpu_the_daemon_may_not_use_is_a_clear_error(workdir):
+    import subprocess
+    import sys
+
+    d = workdir / "badcpu"
+    d.mkdir()
+    plan, profiles = tiny.write_example(d)
+    cfg = write_config(d, plan, profiles, extra="[threads]\nio_cpus = [1023]\n")
+    r = subprocess.run([sys.executable, "-m", "ppiped.cli", "serve", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r
+    assert "threads.io_cpus: CPU 1023 not available to this process" in r.stderr, r.stderr

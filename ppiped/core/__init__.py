@@ -33,6 +33,8 @@ The scheduler
 - ``submit(req_id, model, arrival_us, deadline_us=None, priority=0)``: queue a request (deadline
   defaults to arrival + the model's SLO from the plan). ``priority`` is stored for policies to
   come; ppipe and reactive ignore it. ``cancel(req_id, model)`` withdraws a pending one.
+  ``submit_many(first_id, count, model, arrival_us, deadline_us=None, priority=0)`` queues ids
+  ``first_id ..`` that share all else (one client message) in one compiled call.
 - ``decide(now_us) -> Actions``: the batching decision for every model queue that changed since
   its last decision or whose wake-up time has come. Returns (valid until the next ``decide``):
 

@@ -205,6 +205,7 @@ class Scheduler:
         scratch = a.A.copy()
         self._decide = _entry(K.decide_ppipe if policy.reserve else K.decide_reactive, scratch, 0.0, True)
         self._submit = _entry(K.submit, scratch, 0, 0, 0.0, 0.0, 0)
+        self._submit_many = _entry(K.submit_many, scratch, 0, 1, 0, 0.0, 0.0, 0, 0)
         self._report = _entry(K.report, scratch, 1 << S.HANDLE_SHIFT, 0.0, 0.0)
         self._actions = Actions(self)
 
@@ -222,6 +223,18 @@ class Scheduler:
         while status:
             self._grow(status)
             status = K.submit(self._A, req_id, model, arrival_us, deadline_us, priority)
+
+    def submit_many(self, first_id: int, count: int, model: int, arrival_us: float,
+                    deadline_us: float | None = None, priority: int = 0) -> None:
+        """Queue requests ``first_id .. first_id + count - 1`` that share a model, an arrival and a
+        deadline (one client message) in one compiled call; the same as ``count`` :meth:`submit`
+        calls in id order, at a fraction of their per-call cost."""
+        if deadline_us is None:
+            deadline_us = arrival_us + self.layout.slo_us[model]
+        status, i = self._submit_many(self._A, first_id, count, model, arrival_us, deadline_us, priority, 0)
+        while status:
+            self._grow(status)
+            status, i = K.submit_many(self._A, first_id, count, model, arrival_us, deadline_us, priority, i)
 
     def cancel(self, req_id: int, model: int) -> bool:
         """Withdraw a request still pending for ``model``'s first pool (O(queue length) lookup)."""

@@ -88,6 +88,9 @@ class ServeConfig:
     replan_algo: str = "ppipe"
     replan_flush_timeout_ms: float = 0.0  # 0: the largest SLO + limits.result_grace_ms
     replan_preload_timeout_ms: float = 60_000.0  # longest wait for executors to preload a new plan
+    loop_cpus: tuple[int, ...] = ()  # CPUs of the event-loop thread (empty: the process's)
+    io_cpus: tuple[int, ...] = ()  # CPUs of ZeroMQ's I/O threads (empty: the process's)
+    io_threads: int = 1  # ZeroMQ I/O threads
 
     def ctl_socket_path(self) -> str:
         """Where the ctl socket lives: the configured path, else systemd's RuntimeDirectory, else
@@ -183,6 +186,13 @@ class _Table:
             v = float(v)
         elif kind == "table" and not isinstance(v, dict):
             raise ConfigError(f"{where}: expected a table")
+        elif kind == "cpus":
+            if not isinstance(v, list) or not all(isinstance(c, int) and not isinstance(c, bool)
+                                                  and 0 <= c < 1024 for c in v):
+                raise ConfigError(f"{where}: expected a list of CPU numbers like [0, 1], got {v!r}")
+            if len(set(v)) != len(v):
+                raise ConfigError(f"{where}: a CPU is listed twice: {v!r}")
+            v = tuple(v)
         return v
 
     def sub(self, k: str) -> _Table:
@@ -252,6 +262,11 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
                           f"({cfg.heartbeat_interval_ms}), got {cfg.heartbeat_timeout_ms}")
     hb.done()
     _ops_tables(top, cfg, base)
+    th = top.sub("threads")
+    cfg.loop_cpus = th.get("loop_cpus", (), "cpus")
+    cfg.io_cpus = th.get("io_cpus", (), "cpus")
+    cfg.io_threads = th.get("io_threads", 1, "int+")
+    th.done()
     cfg.scheduler = dict(top.get("scheduler", {}, "table"))
     models = top.sub("models")
     for name in list(models.d):

@@ -77,10 +77,8 @@ class LocalCluster:
 
     def __init__(self, config: Path, groups: Sequence[Sequence[int]], *, backend: str | None = None,
                  log_dir: Path | None = None, log_level: str = "warning", python: str = sys.executable,
-                 env: dict[str, str] | None = None, scheduler_cpus: Sequence[int] | None = None,
-                 executor_cpus: Sequence[int] | None = None) -> None:
+                 env: dict[str, str] | None = None, executor_cpus: Sequence[int] | None = None) -> None:
         self.config = Path(config)
-        self.scheduler_cpus = scheduler_cpus
         self.executor_cpus = executor_cpus
         self.groups = [list(g) for g in groups]
         self.backend = backend
@@ -114,8 +112,7 @@ class LocalCluster:
         On any failure every process started so far is stopped before the error propagates."""
         try:
             self.server = self._spawn([self.python, "-m", "ppiped.cli", "serve", "--config",
-                                       str(self.config), "--log-level", self.log_level], "serve.log",
-                                      self.scheduler_cpus)
+                                       str(self.config), "--log-level", self.log_level], "serve.log")
             for i in range(len(self.groups)):
                 self.executors.append(self._start_executor(i))
             total = sum(len(g) for g in self.groups)

@@ -7,6 +7,9 @@
 * :class:`Reader`: drains a ZeroMQ socket from the loop. ZeroMQ's FD is edge-triggered, so every
   wake-up reads until EAGAIN, and code that sends on a socket calls :meth:`Reader.kick` so an edge
   consumed by the send is not lost.
+* :func:`zmq_context` / :func:`pin_this_thread`: where the I/O and event-loop threads run. On one
+  shared CPU the kernel's fair scheduler lets a busy ZeroMQ I/O thread run on for a millisecond or
+  more while the loop holds requests; apart, neither waits for the other.
 * :func:`send_parts` / :func:`recv_parts`: multipart send and receive through pyzmq's compiled
   socket directly. pyzmq's Python layer (``send_multipart``) costs several µs per frame in flag
   enums and checks, more than the send itself; a dispatch has a frame per request.
@@ -21,7 +24,7 @@ import heapq
 import itertools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -40,6 +43,25 @@ NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 ZERO_COPY_BYTES = 1 << 16  # smaller frames are copied: cheaper than zero-copy bookkeeping
+
+
+def unavailable_cpus(cpus: Sequence[int]) -> list[int]:
+    """The CPUs of ``cpus`` this process may not run on (libzmq aborts on such an I/O affinity)."""
+    allowed = os.sched_getaffinity(0)
+    return [c for c in cpus if c not in allowed]
+
+
+def zmq_context(io_threads: int = 1, io_cpus: Sequence[int] = ()) -> zmq.Context:
+    """A context whose I/O threads run on ``io_cpus`` (empty: wherever this process may run)."""
+    ctx = zmq.Context(io_threads=io_threads)
+    for c in io_cpus:  # must precede the first socket: the I/O threads start with it
+        ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, c)
+    return ctx
+
+
+def pin_this_thread(cpus: Sequence[int]) -> None:
+    """Keep the calling thread (only it: Linux applies pid 0 to the caller) on ``cpus``."""
+    os.sched_setaffinity(0, cpus)
 
 
 def send_parts(sock: zmq.Socket, parts: list, flags: int = 0) -> None:

@@ -45,7 +45,7 @@ from ..wire import Status, T
 from . import sdnotify
 from .config import ConfigError, ServeConfig, format_ranges
 from .ctl_server import CtlServer
-from .loop import Reader, Timers, now_us, send_parts
+from .loop import Reader, Timers, now_us, pin_this_thread, send_parts, unavailable_cpus, zmq_context
 from .metrics import Metrics, MetricsServer
 from .replan import RateMeter, Replanner
 
@@ -59,15 +59,23 @@ _ACTION_VIEWS = ("path", "n_hops", "req_start", "bs", "res_start", "n_res_of", "
 OFFSET_SAMPLES = 16
 MAX_VGPU_ID = 1 << 16  # registrations beyond the plan's vGPUs wait on standby, up to this id
 DONE_BATCH_KEEP_US = 2_000_000  # keep answered batches this long for late feedback
+REPORT_MANY_FROM = 8  # feedback reports: one compiled call each below this many, else one for all
 
 
 class Req:
-    __slots__ = ("ident", "cid", "frame", "model", "arrival", "deadline", "recv", "retried")
+    """A request from SUBMIT until its reply. ``arrival`` is when the scheduler received it (a
+    retry keeps it); one is made per request, so the constructor is kept to plain stores."""
 
-    def __init__(self, ident: bytes, cid: int, frame: Any, model: int, arrival: int, deadline: int,
-                 recv: int) -> None:
-        self.ident, self.cid, self.frame, self.model = ident, cid, frame, model
-        self.arrival, self.deadline, self.recv, self.retried = arrival, deadline, recv, False
+    __slots__ = ("ident", "cid", "frame", "model", "arrival", "deadline", "retried")
+
+    def __init__(self, ident: bytes, cid: int, frame: Any, model: int, arrival: int, deadline: int) -> None:
+        self.ident = ident
+        self.cid = cid
+        self.frame = frame
+        self.model = model
+        self.arrival = arrival
+        self.deadline = deadline
+        self.retried = False
 
 
 class Batch:
@@ -163,7 +171,7 @@ class Server:
         self.next_batch = 1
         self.stats = [ModelStats() for _ in self.model_names]
         self.counters: dict[str, int] = defaultdict(int)
-        self.busy_us = np.zeros(self.nv, dtype=np.float64)
+        self.busy_us = [0.0] * self.nv  # per vGPU; a list: one += per feedback entry
         self.overhead = np.zeros(OVERHEAD_SAMPLES, dtype=np.float64)
         self.n_overhead = 0
         self.wake_late = np.zeros(WAKE_SAMPLES, dtype=np.float64)
@@ -221,7 +229,7 @@ class Server:
             for v in ex.vgpus:
                 if v < self.nv:
                     self.vgpu_exec[v] = ex
-        self.busy_us = np.zeros(self.nv, dtype=np.float64)
+        self.busy_us = [0.0] * self.nv
         self._views_key = -1
         self.plan_version += 1
         self.plan_since = now_us()
@@ -231,6 +239,8 @@ class Server:
         for seconds, which must not happen to the first request."""
         t = float(now_us())
         self.core.submit(-1, 0, t, t + 1.0)
+        self.core.cancel(-1, 0)
+        self.core.submit_many(-1, 1, 0, t, t + 1.0)
         self.core.cancel(-1, 0)
         self.core.decide(t)
         self.core.report(-1, t, t)
@@ -254,16 +264,23 @@ class Server:
     async def run(self) -> int:
         self.loop = asyncio.get_running_loop()
         self.done = self.loop.create_future()
-        self.zctx = zmq.Context()
+        cfg = self.cfg
+        for key, cpus in (("threads.loop_cpus", cfg.loop_cpus), ("threads.io_cpus", cfg.io_cpus)):
+            if bad := unavailable_cpus(cpus):
+                raise ConfigError(f"{cfg.source}: {key}: CPU {', '.join(map(str, bad))} not available to "
+                                  f"this process (it may run on {format_ranges(sorted(os.sched_getaffinity(0)))})")
+        self.zctx = zmq_context(cfg.io_threads, cfg.io_cpus)
         try:
-            self.client = self._bind(zmq.ROUTER, self.cfg.client, "endpoints.client")
+            self.client = self._bind(zmq.ROUTER, cfg.client, "endpoints.client")
             self.client.setsockopt(zmq.SNDHWM, 0)
             self.client.setsockopt(zmq.RCVHWM, 0)
-            self.exe = self._bind(zmq.ROUTER, self.cfg.executor, "endpoints.executor", mandatory=True)
-            self.ctl = self._bind(zmq.ROUTER, self.cfg.ctl, "endpoints.ctl")
+            self.exe = self._bind(zmq.ROUTER, cfg.executor, "endpoints.executor", mandatory=True)
+            self.ctl = self._bind(zmq.ROUTER, cfg.ctl, "endpoints.ctl")
         except ConfigError:
             self.zctx.destroy(0)
             raise
+        if cfg.loop_cpus:  # after the sockets: ZeroMQ's threads keep the process's CPUs or io_cpus
+            pin_this_thread(cfg.loop_cpus)
         self.timers = Timers(self.loop)
         self.client_reader = Reader(self.loop, self.client, self.on_client, after=self.after_clients)
         self.exe_reader = Reader(self.loop, self.exe, self.on_exec, after=self.after_execs)
@@ -418,14 +435,12 @@ class Server:
             return
         slo = slo_us or self.slo_us[m]
         deadline = t + slo
-        ft, fdl = float(t), float(deadline)
         limit = self.cfg.max_payload_bytes
         want = self.input_bytes[m]
         room = self.cfg.max_pending - len(self.reqs)
-        submit = self.core.submit
         reqs = self.reqs
         bad: dict[str, list[int]] = {}
-        rid = self.next_rid
+        rid0 = rid = self.next_rid
         for cid, f in zip(ids, frames):  # noqa: B905 - lengths checked above
             n = len(f)
             if n > limit:
@@ -438,10 +453,11 @@ class Server:
                 bad.setdefault(wire.OVERLOADED, []).append(cid)
                 continue
             room -= 1
-            reqs[rid] = Req(ident, cid, f, m, t, deadline, t)
-            submit(rid, m, ft, fdl)
+            reqs[rid] = Req(ident, cid, f, m, t, deadline)
             rid += 1
-        st.accepted += rid - self.next_rid
+        if rid > rid0:  # the accepted ones have consecutive ids: one compiled call queues them all
+            self.core.submit_many(rid0, rid - rid0, m, float(t), float(deadline))
+        st.accepted += rid - rid0
         self.next_rid = rid
         self._dirty_decide = True
         for reason, cids in bad.items():
@@ -539,82 +555,83 @@ class Server:
 
     def _dispatch(self, act: Any, due: int) -> None:
         """Send every batch the core decided on, then do the bookkeeping: after a stall the core
-        may dispatch a dozen batches at once, and the last should not wait for the others' books."""
+        may dispatch a dozen batches at once, and the last should not wait for the others' books.
+
+        The core's output arrays are read once each as Python lists (a numpy scalar read costs as
+        much as a whole ``tolist`` of a few elements); each batch's reservations are walked once."""
         n = act.n_dispatch
         v = self._views(act)
-        path_a = v["path"][:n].tolist()
+        nr = act.n_res
+        paths = v["path"][:n].tolist()
         nhops = v["n_hops"][:n].tolist()
         req0 = v["req_start"][:n].tolist()
         bss = v["bs"][:n].tolist()
         res0 = v["res_start"][:n].tolist()
         nres = v["n_res_of"][:n].tolist()
-        nr = act.n_res
-        res = (v["handle"][:nr].tolist(), v["kind"][:nr].tolist(), v["hop"][:nr].tolist(),
-               v["start_us"][:nr].tolist())
-        kinds, hops, starts = res[1], res[2], res[3]
+        models = v["model"][:n].tolist()
+        finish = v["finish_us"][:n].tolist()
+        handles = v["handle"][:nr].tolist()
+        kinds = v["kind"][:nr].tolist()
+        hops = v["hop"][:nr].tolist()
+        starts = v["start_us"][:nr].tolist()
         rids = v["req_id"][:act.n_req].tolist()
         exe = self.exe
-        reqs = self.reqs
+        pop = self.reqs.pop
         vgpu_exec = self.vgpu_exec
         sent = []
         for i in range(n):
             k = nhops[i]
-            path = path_a[i][:k]
+            path = paths[i][:k]
             execs = [vgpu_exec[x] for x in path]
-            batch_reqs = {rid: reqs.pop(rid) for rid in rids[req0[i]:req0[i] + bss[i]]}
+            q0 = req0[i]
+            ids = rids[q0:q0 + bss[i]]
+            rs = list(map(pop, ids))
             if None in execs:
                 # cannot happen while the core only uses live vGPUs; be safe: back to the queue
-                self._requeue(list(batch_reqs.values()))
+                self._requeue(rs)
                 continue
-            hop_start = [0] * k
+            # per hop: its inference's reservation and start, and the transfer into it (uplink of
+            # the sending server, downlink of the receiving one)
+            infer_h = [0] * k
+            hop_start = [e.offset for e in execs]  # on each executor's clock
+            link_h: list[tuple[int, int] | None] = [None] * k
+            up = {}
             for j in range(res0[i], res0[i] + nres[i]):
-                if kinds[j] == 0:  # infer
-                    hop_start[hops[j]] = int(starts[j])
+                kind, hop = kinds[j], hops[j]
+                if kind == 0:  # infer
+                    infer_h[hop] = handles[j]
+                    hop_start[hop] = int(starts[j]) + execs[hop].offset
+                elif kind == 1:  # uplink
+                    up[hop] = handles[j]
+                elif kind == 2:  # downlink
+                    link_h[hop] = (up.get(hop, -1), handles[j])
             bid = self.next_batch
             self.next_batch += 1
+            batch = Batch(bid, models[i], path, infer_h, link_h, dict(zip(ids, rs)), finish[i])  # noqa: B905
             try:
-                send_parts(exe, [execs[0].ident,
-                                 wire.dispatch(bid, path, [hop_start[h] + execs[h].offset for h in range(k)],
-                                               list(batch_reqs)),
-                                 *[r.frame for r in batch_reqs.values()]])
+                send_parts(exe, [execs[0].ident, wire.dispatch(bid, path, hop_start, ids), *[r.frame for r in rs]])
             except zmq.ZMQError as e:  # the executor's connection is gone (mandatory routing)
                 log.warning("dispatch-failed", vgpu=path[0], error=str(e))
-                self._book(act, i, bid, path, batch_reqs, res, due, 0)
+                self._book(batch, due, 0)
                 self.remove_executor(execs[0], "unreachable")  # loses the batch: requeued
                 continue
-            sent.append((i, bid, path, batch_reqs, now_us()))
-        for i, bid, path, batch_reqs, t in sent:
-            self._book(act, i, bid, path, batch_reqs, res, due, t)
+            sent.append((batch, now_us()))
+        for batch, t in sent:
+            self._book(batch, due, t)
 
-    def _book(self, act: Any, i: int, bid: int, path: list[int], batch_reqs: dict[int, Req],
-              res: tuple[list, ...], due: int, sent_at: int) -> None:
-        """Record dispatched batch ``i``: its reservation handles (for feedback and for voiding
-        them if it is lost), stats, and each request's overhead (``sent_at`` 0: not sent)."""
-        v = self._v
-        handles, kinds, hops, _ = res
-        k = len(path)
-        infer_h = [0] * k
-        link_h: list[tuple[int, int] | None] = [None] * k
-        up = {}
-        r0 = int(v["res_start"][i])
-        for j in range(r0, r0 + int(v["n_res_of"][i])):
-            kind, hop = kinds[j], hops[j]
-            if kind == 0:  # infer
-                infer_h[hop] = handles[j]
-            elif kind == 1:  # uplink
-                up[hop] = handles[j]
-            elif kind == 2:  # downlink
-                link_h[hop] = (up.get(hop, -1), handles[j])
-        model = int(v["model"][i])
-        self.batches[bid] = Batch(bid, model, path, infer_h, link_h, batch_reqs, float(v["finish_us"][i]))
-        st = self.stats[model]
+    def _book(self, b: Batch, due: int, sent_at: int) -> None:
+        """Record dispatched batch ``b`` (its reservation handles serve feedback, and voiding them
+        if it is lost), stats, and each request's overhead (``sent_at`` 0: not sent)."""
+        self.batches[b.id] = b
+        st = self.stats[b.model]
         st.batches += 1
-        st.batch_reqs += len(batch_reqs)
+        st.batch_reqs += len(b.reqs)
         if sent_at:
             ov = self.overhead
             j = self.n_overhead
-            for r in batch_reqs.values():
-                ov[j & (OVERHEAD_SAMPLES - 1)] = sent_at - (r.recv if r.recv > due else due)
+            for r in b.reqs.values():
+                a = r.arrival
+                ov[j & (OVERHEAD_SAMPLES - 1)] = sent_at - (a if a > due else due)
                 j += 1
             self.n_overhead = j
 
@@ -846,7 +863,10 @@ class Server:
             self._maybe_forget(b)
 
     def on_feedback(self, ex: ExecState, entries: list[int]) -> None:
+        """Hop times an executor measured (its clock, less its offset): they go to the batch, the
+        vGPU's busy time and, as reports, to the core, which corrects the reservations by them."""
         off = ex.offset
+        busy = self.busy_us
         k = wire.FEEDBACK_STRIDE
         hs: list[int] = []
         ts: list[float] = []
@@ -862,17 +882,22 @@ class Server:
             hs.append(b.infer_h[hop])
             ts.append(start)
             te.append(end)
-            self.busy_us[v] += end - start
-            if hop == len(b.path) - 1:
+            busy[v] += end - start
+            last = len(b.path) - 1
+            if hop == last:
                 self.metrics.reservation_error(end - b.finish)
-            for h in (hop, hop + 1):  # the transfer into a hop is known once both ends are
-                if 0 < h < len(b.path):
-                    self._link_report(b, h, hs, ts, te)
+            # the transfer into a hop is known once both ends are: into this hop, into the next
+            if hop > 0:
+                self._link_report(b, hop, hs, ts, te)
+            if hop < last:
+                self._link_report(b, hop + 1, hs, ts, te)
             if b.answered:
                 self._maybe_forget(b)
-        if len(hs) == 1:
-            self.core.report(hs[0], float(ts[0]), float(te[0]))  # floats: one compiled signature
-        elif hs:
+        if len(hs) < REPORT_MANY_FROM:  # the usual few: cheaper than building three arrays
+            report = self.core.report
+            for h, a, e in zip(hs, ts, te):  # noqa: B905 - appended together
+                report(h, float(a), float(e))  # floats: one compiled signature
+        else:
             self.core.report_many(np.array(hs, dtype=np.int64), np.array(ts, dtype=np.float64),
                                   np.array(te, dtype=np.float64))
 
@@ -893,7 +918,7 @@ class Server:
         b.link_h[hop] = None
 
     def _maybe_forget(self, b: Batch) -> None:
-        if all(t is not None for t in b.times):
+        if None not in b.times:
             self.batches.pop(b.id, None)
 
     # --- housekeeping -------------------------------------------------------------------------
@@ -997,7 +1022,7 @@ class Server:
                            "clock_offset_us": e.offset} for e in self.execs.values()],
             "vgpus": {"total": self.nv, "alive": sum(c["alive"] for c in classes.values()),
                       "missing": format_ranges([v for v in range(self.nv) if self.vgpu_exec[v] is None])},
-            "busy_us": self.busy_us.tolist(),
+            "busy_us": list(self.busy_us),
             "in_flight_batches": sum(1 for b in self.batches.values() if not b.answered),
             "queued": len(self.reqs), "overhead_us": self.overhead_us(),
             "wake_late_us": self._pcts(self.wake_late, self.n_wake), "counters": dict(self.counters),
