@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -34,7 +33,7 @@ from pathlib import Path
 import uvloop
 
 from ppiped.commands.loadgen import run_load
-from ppiped.daemon.launch import LocalCluster, short_tmpdir, write_config
+from ppiped.daemon.launch import LocalCluster, cpu_split, running_on, short_tmpdir, write_config
 from ppiped.executor import tiny
 
 
@@ -52,15 +51,6 @@ def _io_threads(pid: int) -> list[int]:
         if Path(f"/proc/{pid}/task/{tid}/comm").read_text().startswith("ZMQbg/IO"):
             tids.append(int(tid))
     return tids
-
-
-def _cpu_split(pin: bool) -> tuple[list[int] | None, list[int] | None]:
-    """With ``pin``: the scheduler's event loop gets the first CPU of this process's set to itself,
-    as an operator gives it one (``[threads] loop_cpus``); everything else shares the rest."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if not pin or len(cpus) < 2:
-        return None, None
-    return cpus[:1], cpus[1:]
 
 
 def _steal_jiffies() -> int:
@@ -81,17 +71,12 @@ def ingest(args: argparse.Namespace) -> dict:
         prof = tiny.profile_json(block_us=(5.0, 5.0), max_bs=args.bs)
         plan, profiles = tiny.write_example(d, prof, vgpus=(args.vgpus, args.vgpus), bs=args.bs,
                                            slo_ms=args.slo_ms)
-        sched_cpus, other_cpus = _cpu_split(args.pin)
-        threads = f"[threads]\nloop_cpus = {sched_cpus}\nio_cpus = {other_cpus}\n" if sched_cpus else ""
-        cfg = write_config(d, plan, profiles, heartbeat_ms=100, timeout_ms=2000, extra=threads)
+        split = cpu_split() if args.pin else None
+        sched_cpus, other_cpus = split or (None, None)
+        cfg = write_config(d, plan, profiles, heartbeat_ms=100, timeout_ms=2000, threads=split)
         n = 2 * args.vgpus
         groups = [list(range(n))]
-        mine = os.sched_getaffinity(0)
-        with contextlib.ExitStack() as undo:
-            c = undo.enter_context(LocalCluster(cfg, groups, executor_cpus=other_cpus))
-            if other_cpus:  # the load generator stays off the event loop's CPU
-                os.sched_setaffinity(0, other_cpus)
-                undo.callback(os.sched_setaffinity, 0, mine)
+        with LocalCluster(cfg, groups, executor_cpus=other_cpus) as c, running_on(other_cpus):
             # warm the path (first dispatches, socket connections), then measure a clean window
             asyncio.run(run_load(c.client_endpoint, {"tiny": 2000.0}, 1.0, frame_bytes=64))
             c.ctl("reset-overhead")

@@ -33,7 +33,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..daemon.launch import LocalCluster, short_tmpdir, split_groups, write_config
+from ..daemon.launch import (
+    LocalCluster,
+    cpu_split,
+    running_on,
+    short_tmpdir,
+    split_groups,
+    write_config,
+)
 from ..errors import InputError
 from ..plan import Plan, load_plan, save_plan
 from ..profiles import Profile, load_profiles, save_profile
@@ -57,6 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-rate", type=float, default=800.0,
                    help="auto time scale: most requests/s offered in all (what this host emulates comfortably)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="let the scheduler's event loop share every CPU (default: one to itself, with "
+                        "two or more)")
     p.add_argument("--keep", help="keep config, plan and logs in this directory")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(func=run)
@@ -185,7 +195,9 @@ def run_demo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for name, p in profiles.items():
         save_profile(p, work / "profiles" / f"{name}.json")
     save_plan(plan, work / "plan.json")
-    cfg = write_config(work, work / "plan.json", work / "profiles", heartbeat_ms=100, timeout_ms=1000)
+    split = cpu_split() if args.pin else None
+    cfg = write_config(work, work / "plan.json", work / "profiles", heartbeat_ms=100, timeout_ms=1000,
+                       threads=split)
     from ..core.layout import Layout
 
     layout = Layout.from_plan(plan, profiles)
@@ -193,9 +205,10 @@ def run_demo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rates = {m.model: args.load_factor * m.throughput_rps for m in plan.models}
     if not any(r > 0 for r in rates.values()):
         raise InputError("the plan has no throughput to offer load against")
-    cluster = LocalCluster(cfg, split_groups(n, args.processes), log_dir=work)
+    others = split[1] if split else None
+    cluster = LocalCluster(cfg, split_groups(n, args.processes), log_dir=work, executor_cpus=others)
     t_start = time.monotonic()
-    with cluster:
+    with cluster, running_on(others):
         ready_s = time.monotonic() - t_start
         before = cluster.status()
         result = uvloop.run(run_load(cluster.client_endpoint, rates, args.duration, kind=args.arrivals,

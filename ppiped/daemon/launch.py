@@ -8,6 +8,7 @@ processes: ``stop()`` (also on ``with`` exit) terminates and, if need be, kills 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -34,12 +35,37 @@ def _die_with_parent() -> None:
         pass
 
 
+def cpu_split() -> tuple[list[int], list[int]] | None:
+    """How a cluster on this host shares this process's CPUs: the scheduler's event loop gets the
+    first to itself, as an operator gives it one (``[threads] loop_cpus``); its ZeroMQ I/O thread,
+    the executors and the load generator share the rest. None with fewer than two CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return (cpus[:1], cpus[1:]) if len(cpus) >= 2 else None
+
+
+@contextlib.contextmanager
+def running_on(cpus: Sequence[int] | None):
+    """Keep the calling thread on ``cpus`` for the block (None: where it is)."""
+    mine = os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        if cpus:
+            os.sched_setaffinity(0, mine)
+
+
 def write_config(directory: Path, plan: Path, profiles: Path, *, backend: str = "emulate",
                  partitions: str = "", heartbeat_ms: int = 100, timeout_ms: int = 1000,
-                 scheduler: dict[str, Any] | None = None, extra: str = "") -> Path:
-    """A serving config whose endpoints are ipc sockets in ``directory``."""
+                 scheduler: dict[str, Any] | None = None,
+                 threads: tuple[Sequence[int], Sequence[int]] | None = None, extra: str = "") -> Path:
+    """A serving config whose endpoints are ipc sockets in ``directory``; ``threads``: the
+    scheduler's (loop CPUs, I/O CPUs), as :func:`cpu_split` gives them."""
     d = directory
     sched = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (scheduler or {}).items())
+    if threads:
+        extra = f"[threads]\nloop_cpus = {list(threads[0])}\nio_cpus = {list(threads[1])}\n{extra}"
     text = f"""# written by ppiped.daemon.launch
 plan = {json.dumps(str(plan))}
 profiles = {json.dumps(str(profiles))}
