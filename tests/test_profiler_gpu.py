@@ -76,14 +76,14 @@ def test_torch_backend_matches_onnxruntime(middle_block):
     import torch
 
     from ppiped.profiler.backends import Timing, measure_us
-    from ppiped.profiler.backends.torch_cuda import TorchRuntime, _Program
+    from ppiped.profiler.backends.torch_cuda import OnnxProgram, TorchRuntime
 
     model = onnx.load(str(middle_block))
     inp = model.graph.input[0]
     shape = [2, *[d.dim_value for d in inp.type.tensor_type.shape.dim[1:]]]
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float16)
     ref = ort.InferenceSession(str(middle_block), providers=["CPUExecutionProvider"]).run(None, {inp.name: x})[0]
-    prog = _Program(onnx.load(str(middle_block)), torch, torch.nn.functional)
+    prog = OnnxProgram(onnx.load(str(middle_block)), torch, torch.nn.functional)
     with torch.inference_mode():
         got = prog.run(torch.from_numpy(x).cuda())[0].float().cpu().numpy()
     assert np.max(np.abs(got - ref.astype(np.float32))) / np.max(np.abs(ref)) < 1e-2

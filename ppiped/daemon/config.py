@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import InputError
 from ..readfile import read_toml
 
-BACKENDS = ("emulate", "ort", "trt")
+BACKENDS = ("emulate", "ort", "trt", "torch")
 
 
 class ConfigError(InputError):

@@ -74,7 +74,7 @@ class EmulateBackend(Backend):
 
 
 class _TensorBackend(Backend):
-    """Shared by ort and trt: frames ⇄ tensors around an ``infer(batch) -> outputs`` call."""
+    """Shared by ort, trt and torch: frames ⇄ tensors around an ``infer(batch) -> outputs`` call."""
 
     def __init__(self, a: Assignment, source: ModelSource) -> None:
         super().__init__(a)
@@ -149,7 +149,7 @@ class OrtBackend(_TensorBackend):
 
 
 def make_backend(kind: str, a: Assignment, source: ModelSource | None = None, **opts: Any) -> Backend:
-    """``source``: how to get the partition's ONNX graph (ort, trt); ``opts``: threads, engine_path,
+    """``source``: how to get the partition's ONNX graph (ort, trt, torch); ``opts``: threads, engine_path,
     device, fp16, split, load_ms (emulate)."""
     if kind == "emulate":
         return EmulateBackend(a, load_ms=opts.get("load_ms", 0))
@@ -162,4 +162,8 @@ def make_backend(kind: str, a: Assignment, source: ModelSource | None = None, **
 
         return TrtBackend(a, source, engine_path=Path(opts["engine_path"]), device=opts.get("device", 0),
                           fp16=opts.get("fp16", True), split=opts.get("split", 0))
+    if kind == "torch":
+        from .torch_cuda import TorchBackend  # PyTorch with CUDA, imported on GPU hosts only
+
+        return TorchBackend(a, source, device=opts.get("device", 0), split=opts.get("split", 0))
     raise ValueError(f"unknown backend {kind!r}")

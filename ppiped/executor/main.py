@@ -39,6 +39,7 @@ import zmq
 
 from .. import logs, wire
 from ..daemon.config import (
+    BACKENDS,
     ConfigError,
     ServeConfig,
     check_endpoint,
@@ -591,7 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="serving config (TOML), as given to ppiped serve")
     ap.add_argument("--vgpu", action="append", required=True, metavar="ID",
                     help="vGPU id(s) to run: 3, 0-7 or 0,2,5 (repeatable)")
-    ap.add_argument("--backend", choices=("emulate", "ort", "trt"), help="override the config's backend")
+    ap.add_argument("--backend", choices=BACKENDS, help="override the config's backend")
     ap.add_argument("--data-endpoint", help="endpoint to bind for feature maps (default from the config)")
     ap.add_argument("--scheduler", help="scheduler executor endpoint (default: endpoints.executor)")
     ap.add_argument("--log-level", default="info")

@@ -23,7 +23,8 @@ SUPPORTED = {"Conv", "BatchNormalization", "Relu", "Add", "Sub", "Mul", "Div", "
              "Concat", "HardSwish", "HardSigmoid", "Tanh"}
 
 
-def _import():
+def import_torch():
+    """torch and its functional API, or a clear error where torch or a CUDA GPU is missing."""
     try:
         import torch
         import torch.nn.functional as F  # noqa: N812
@@ -34,7 +35,7 @@ def _import():
     return torch, F
 
 
-class _Program:
+class OnnxProgram:
     """The model's nodes as torch calls over fp16 tensors on the GPU."""
 
     def __init__(self, model: onnx.ModelProto, torch, F) -> None:  # noqa: N803
@@ -149,7 +150,7 @@ class TorchSession:
         torch = rt.torch
         self.torch = torch
         model = onnx.load(str(model_path))
-        self.prog = _Program(model, torch, rt.F)
+        self.prog = OnnxProgram(model, torch, rt.F)
         inp = next(i for i in model.graph.input if i.name == self.prog.input)
         self.sample = [d.dim_value for d in inp.type.tensor_type.shape.dim[1:]]
         self.graphs: dict[int, Any] = {}
@@ -192,7 +193,7 @@ class TorchRuntime:
     name = "torch"
 
     def __init__(self, split: int = 1) -> None:
-        self.torch, self.F = _import()
+        self.torch, self.F = import_torch()
         self.torch.backends.cudnn.benchmark = True
         self.split = split
         props = self.torch.cuda.get_device_properties(0)
