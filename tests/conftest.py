@@ -1,7 +1,9 @@
-"""Shared fixtures: the public PPipe data beside the project, skipped cleanly where absent."""
+"""Shared fixtures: the public PPipe data beside the project, skipped cleanly where absent, and
+what a GPU test needs to know about this host."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,15 @@ import pytest
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "ppipe"
 MODELS_DIR = SHARED / "models"
 REFERENCE_DIR = SHARED / "reference-plans" / "maf21"
+
+
+def cuda_torch() -> bool:
+    """PyTorch is installed and sees a CUDA GPU."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def reference_plans(algo: str | None = None) -> list[Path]:

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import cuda_torch
 
 from ppiped.profiler.example import build_tiny_model
 from ppiped.profiler.export import Exporter
@@ -18,14 +19,6 @@ from ppiped.profiler.graph import analyze
 from ppiped.profiler.profile import make_blocks, units_of
 
 pytestmark = pytest.mark.gpu
-
-
-def _has_cuda_torch() -> bool:
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
 
 
 def _has_trt() -> bool:
@@ -71,7 +64,7 @@ def test_trt_builds_and_runs_a_block_engine(middle_block):
     assert rt.info()["library"].startswith("tensorrt")
 
 
-@pytest.mark.skipif(not _has_cuda_torch(), reason="needs PyTorch with a CUDA GPU")
+@pytest.mark.skipif(not cuda_torch(), reason="needs PyTorch with a CUDA GPU")
 def test_torch_backend_matches_onnxruntime(middle_block):
     import torch
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from conftest import cuda_torch
 
 from ppiped import wire
 from ppiped.client import AsyncClient, Client, Dropped, Rejected
@@ -145,18 +146,8 @@ async def test_loadgen_every_request_answered(emulated):
     assert st["vgpus"]["alive"] == 4 and st["gpu_classes"]["CPU"]["busy_us"] > 0
 
 
-def _cuda_torch() -> bool:
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
 @pytest.mark.parametrize("backend", ["ort", pytest.param("torch", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not _cuda_torch(), reason="needs PyTorch with a CUDA GPU")])])
+    pytest.mark.gpu, pytest.mark.skipif(not cuda_torch(), reason="needs PyTorch with a CUDA GPU")])])
 def test_executors_serve_real_inference(workdir, backend):
     """ort on the CPU, torch on a GPU: frames in, the model's outputs back, fp16 between hops."""
     ort = pytest.importorskip("onnxruntime")

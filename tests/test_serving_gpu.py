@@ -8,7 +8,6 @@ Also runs as a script (``python tests/test_serving_gpu.py [trt|torch]``) on a GP
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
@@ -19,14 +18,6 @@ try:
     import pytest
 except ImportError:  # the script form
     pytest = None
-
-
-def cuda_torch() -> bool:
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
 
 
 def run_check(tmp: Path, kind: str) -> dict:
@@ -81,6 +72,8 @@ def check(out: dict, kind: str) -> None:
 
 
 if pytest is not None:
+    from conftest import cuda_torch
+
     @pytest.mark.gpu
     def test_trt_partitions_match_ort(tmp_path):
         pytest.importorskip("tensorrt")
