@@ -30,10 +30,19 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import uvloop
 
 from ppiped.commands.loadgen import run_load
-from ppiped.daemon.launch import LocalCluster, cpu_split, running_on, short_tmpdir, write_config
+from ppiped.daemon.config import BACKENDS
+from ppiped.daemon.launch import (
+    LocalCluster,
+    cpu_split,
+    running_on,
+    short_tmpdir,
+    split_groups,
+    write_config,
+)
 from ppiped.executor import tiny
 
 
@@ -68,17 +77,20 @@ def emit(**kw) -> None:
 def ingest(args: argparse.Namespace) -> dict:
     with short_tmpdir("ppiped-ingest-") as d:
         d = Path(d)
-        prof = tiny.profile_json(block_us=(5.0, 5.0), max_bs=args.bs)
+        prof = tiny.profile_json(block_us=(args.block_us, args.block_us), max_bs=args.bs)
         plan, profiles = tiny.write_example(d, prof, vgpus=(args.vgpus, args.vgpus), bs=args.bs,
                                            slo_ms=args.slo_ms)
         split = cpu_split() if args.pin else None
         sched_cpus, other_cpus = split or (None, None)
-        cfg = write_config(d, plan, profiles, heartbeat_ms=100, timeout_ms=2000, threads=split)
+        real = args.backend != "emulate"  # real inference: real frames, partitions from parts/
+        cfg = write_config(d, plan, profiles, heartbeat_ms=100, timeout_ms=2000, threads=split,
+                           backend=args.backend, partitions=str(d / "parts" / "{model}" / "{start}-{end}.onnx"))
         n = 2 * args.vgpus
-        groups = [list(range(n))]
+        groups = split_groups(n, args.executor_processes)
+        frame_bytes = 4 * int(np.prod(tiny.INPUT_SHAPE)) if real else 64  # float32 input
         with LocalCluster(cfg, groups, executor_cpus=other_cpus) as c, running_on(other_cpus):
             # warm the path (first dispatches, socket connections), then measure a clean window
-            asyncio.run(run_load(c.client_endpoint, {"tiny": 2000.0}, 1.0, frame_bytes=64))
+            asyncio.run(run_load(c.client_endpoint, {"tiny": 2000.0}, 1.0, frame_bytes=frame_bytes))
             c.ctl("reset-overhead")
             before = c.status()
             t0 = time.monotonic()
@@ -88,7 +100,7 @@ def ingest(args: argparse.Namespace) -> dict:
                     "executor": (c.executors[0].pid, None), "loadgen": (os.getpid(), None)}
             cpu0 = {k: _cpu_s(*p) for k, p in pids.items()}
             steal0 = _steal_jiffies()
-            r = uvloop.run(run_load(c.client_endpoint, {"tiny": args.rate}, args.duration, frame_bytes=64,
+            r = uvloop.run(run_load(c.client_endpoint, {"tiny": args.rate}, args.duration, frame_bytes=frame_bytes,
                                     seed=args.seed, tick_us=args.tick_us))
             cpu = {k: round((_cpu_s(*p) - cpu0[k]) / args.duration, 3) for k, p in pids.items()}
             steal = (_steal_jiffies() - steal0) / os.sysconf("SC_CLK_TCK")
@@ -98,7 +110,8 @@ def ingest(args: argparse.Namespace) -> dict:
         ok = after["models"]["tiny"]["ok"] - before["models"]["tiny"]["ok"]
         ov = after["overhead_us"]
         out = {
-            "bench": "ingest", "offered_rps": args.rate, "duration_s": args.duration,
+            "bench": "ingest", "backend": args.backend, "offered_rps": args.rate, "duration_s": args.duration,
+            "attainment": tot["attainment"],
             "sent": tot["sent"], "answered_ok": tot["ok"], "dropped": tot["dropped"],
             "rejected": tot["rejected"], "no_reply": tot["no_reply"],
             "answered_rps": ok / args.duration, "client_p50_ms": tot["p50_ms"], "client_p99_ms": tot["p99_ms"],
@@ -167,6 +180,12 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=22000.0, help="ingest: offered requests/s")
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--bs", type=int, default=16, help="ingest: planned batch size")
+    ap.add_argument("--block-us", type=float, default=5.0,
+                    help="ingest: planned latency of each of the tiny CNN's two blocks at batch 1 (µs)")
+    ap.add_argument("--backend", choices=BACKENDS, default="emulate",
+                    help="ingest: executor backend (emulate sleeps the plan's latency; ort, trt and torch run "
+                         "the tiny CNN)")
+    ap.add_argument("--executor-processes", type=int, default=1, help="ingest: processes hosting the vGPUs")
     ap.add_argument("--tick-us", type=int, default=1000, help="ingest: the load generator sends every tick")
     ap.add_argument("--vgpus", type=int, default=4, help="ingest: vGPUs per pool")
     ap.add_argument("--slo-ms", type=float, default=50.0)
