@@ -11,6 +11,7 @@ import json
 import math
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,10 @@ class PlanParams:
     max_partitions: int = 2
     slo_scale: float | None = 5.0
     slo_reference_gpu: str | None = "L4"
+    # Let slices of different models share one physical GPU (gpu-lets' spatial sharing). Off by
+    # default: PPipe's rule gives every model whole GPUs, and sharing needs an interference
+    # model to be honest. A plan made with it is never compared with a reference plan.
+    share_gpus: bool = False
 
 
 @dataclass
@@ -155,6 +160,26 @@ def model_slo_us(profile: Profile, params: PlanParams) -> float | None:
     return None if ref is None else params.slo_scale * ref
 
 
+def gpus_used(pools: Iterable[tuple[str, int, str, float]], share_gpus: bool = False) -> dict[str, dict]:
+    """Physical GPUs per type under PPipe's ``force_sum_gpu_integer_per_partition`` rule.
+
+    ``pools`` holds (model, partition index, GPU type, physical GPUs as vGPUs / split). The use
+    of each (model, partition index, type) is rounded up to whole GPUs, then summed over models
+    and indices; with ``share_gpus`` the rounding is per (partition index, type) across models.
+    Returns, per type, ``{"total": n, "groups": {key: n}}`` with the rounded group counts.
+    """
+    use: dict[tuple, float] = defaultdict(float)
+    for model, d, gpu, g in pools:
+        use[(gpu, d) if share_gpus else (gpu, model, d)] += g
+    out: dict[str, dict] = {}
+    for key, u in sorted(use.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        e = out.setdefault(key[0], {"total": 0, "groups": {}})
+        n = math.ceil(u - 1e-6)
+        e["groups"][key[1:]] = n
+        e["total"] += n
+    return out
+
+
 # --- the checker --------------------------------------------------------------------------
 
 
@@ -191,7 +216,7 @@ def check(plan: Plan, profiles: dict[str, Profile], cluster: Cluster | None = No
     cl = cluster or plan.cluster
     pr = plan.params
     out: list[Violation] = []
-    gpu_use: dict[tuple[str, int], float] = defaultdict(float)
+    pools: list[tuple[str, int, str, float]] = []
     model_ratios = []
     for m in plan.models:
         V = lambda rule, msg, pi=None, qi=None, _m=m.model: out.append(Violation(rule, msg, _m, pi, qi))  # noqa: E731
@@ -259,7 +284,7 @@ def check(plan: Plan, profiles: dict[str, Profile], cluster: Cluster | None = No
                     V("throughput-inflated", f"partition throughput {q.throughput_rps:.2f} rps, "
                       f"{q.num_vgpus} vGPUs sustain {x:.2f}", pi, qi)
                 part_x.append(min(x, q.throughput_rps))
-                gpu_use[(q.gpu, qi)] += q.num_vgpus / q.vgpu_split
+                pools.append((m.model, qi, q.gpu, q.num_vgpus / q.vgpu_split))
             if not ok:
                 continue
             delay = batch_delay_us(bs, m.batch_delay_rate_rps, pr.batch_delay_factor)
@@ -279,15 +304,13 @@ def check(plan: Plan, profiles: dict[str, Profile], cluster: Cluster | None = No
               f"of its pipelines {total:.2f}")
         if m.weight > 0:
             model_ratios.append(min(total, m.throughput_rps) / m.weight)
-    for g in {k for k, _ in gpu_use}:
-        if g not in cl.gpus:
-            continue
-        per_index = {d: math.ceil(u - 1e-6) for (k, d), u in gpu_use.items() if k == g}
-        used = sum(per_index.values())
-        if used > cl.gpus[g].count:
-            detail = ", ".join(f"partition index {d}: {n}" for d, n in sorted(per_index.items()))
-            out.append(Violation("gpu-budget", f"{used} {g} GPUs used ({detail}), cluster has "
-                                 f"{cl.gpus[g].count}"))
+    for g, use in gpus_used(pools, pr.share_gpus).items():
+        if g in cl.gpus and use["total"] > cl.gpus[g].count:
+            rule = "per (partition index, type), shared across models" if pr.share_gpus else \
+                "per (model, partition index, type)"
+            detail = ", ".join(f"{'/'.join(map(str, k))}: {n}" for k, n in use["groups"].items())
+            out.append(Violation("gpu-budget", f"{use['total']} {g} GPUs used, rounded up {rule} "
+                                 f"({detail}); cluster has {cl.gpus[g].count}"))
     if model_ratios and _over(plan.normalized_throughput, min(model_ratios)):
         out.append(Violation("throughput-inflated", f"objective {plan.normalized_throughput:.3f} "
                              f"exceeds min weighted model throughput {min(model_ratios):.3f}"))
@@ -352,20 +375,21 @@ def plan_from_json(d: Any, source: str = "<memory>") -> Plan:
 
 
 _REF_NAME = re.compile(
-    r"_(?P<w>[\d.]+(?:-[\d.]+)*)_(?P<ga>[A-Za-z0-9]+)-(?P<gb>[A-Za-z0-9]+)_(?P<na>\d+)-(?P<nb>\d+)"
+    r"(?:_(?P<w>[\d.]+(?:-[\d.]+)*))?_(?P<ga>[A-Za-z0-9]+)-(?P<gb>[A-Za-z0-9]+)_(?P<na>\d+)-(?P<nb>\d+)"
     r"_bw-gbps-(?P<bw>[\d.]+)_sla-multiplier-(?P<sla>[\d.]+)_(?P<algo>[\w-]+)\.json$"
 )
 REFERENCE_ALGOS = {"v4": "ppipe", "bl": "np", "dart-r": "dart-r"}
 
 
 def reference_name_info(path: str | Path) -> dict[str, Any]:
-    """Cluster parameters encoded in a reference plan's file name."""
+    """Cluster parameters encoded in a reference plan's file name (``weights`` is None when the
+    name has no weights segment, as single-model plans have not)."""
     m = _REF_NAME.search(Path(path).name)
     if not m:
         raise PlanError(f"{path}: not a reference plan file name (…_<weights>_<gpuA>-<gpuB>_"
                         "<countA>-<countB>_bw-gbps-<B>_sla-multiplier-<S>_<algo>.json)")
     return {
-        "weights": [float(x) for x in m["w"].split("-")],
+        "weights": [float(x) for x in m["w"].split("-")] if m["w"] else None,
         "gpus": {m["ga"]: int(m["na"]), m["gb"]: int(m["nb"])},
         "nic_gbps": float(m["bw"]),
         "slo_scale": float(m["sla"]),
@@ -390,7 +414,12 @@ def import_reference(path: str | Path, cluster: Cluster | None = None,
     info = None
     if cluster is None or weights is None:
         info = reference_name_info(path)
-    weights = weights if weights is not None else info["weights"]  # type: ignore[index]
+    if weights is None:
+        weights = info["weights"]  # type: ignore[index]
+        if weights is None:
+            if len(d) != 1:
+                raise PlanError(f"{path}: {len(d)} models but the file name gives no weights")
+            weights = [1.0]
     if len(weights) != len(d):
         raise PlanError(f"{path}: {len(d)} models but {len(weights)} weights")
     cfg0 = _get(d[0], "config", f"{path}[0]")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -48,3 +49,58 @@ def test_planner_bench_one_configuration():
     (summary,) = [r for r in recs if r.get("summary")]
     assert row["algos"]["np"]["check"] == "ok" and row["algos"]["np"]["ours"] > 0
     assert summary["configurations"] == 1 and summary["np"]["errors"] == 0
+
+
+def _run_part(part: str, *extra: str) -> tuple[int, list[dict]]:
+    """Run one part of bench/planner.py; its exit status is 1 exactly when a case missed a target."""
+    out = subprocess.run([sys.executable, str(BENCH / "planner.py"), "--part", part, "--limit", "1",
+                          "--time-limit", "5", *extra], capture_output=True, text=True, timeout=600)
+    assert out.returncode in (0, 1), out.stderr[-2000:]
+    recs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = [r for r in recs if not r.get("summary")]
+    (summary,) = [r for r in recs if r.get("summary")]
+    assert summary["part"] == part and summary["cases_missed"] == sum(1 for r in rows if r["missed"])
+    assert out.returncode == (1 if summary["cases_missed"] else 0)
+    assert "missed a target" in out.stderr  # the table and the closing line go to stderr
+    return out.returncode, recs
+
+
+@pytest.mark.shared
+def test_planner_bench_ablation_part():
+    if not reference_plans("v4"):
+        pytest.skip("../shared/data/ppipe is not present")
+    _, recs = _run_part("ablation")
+    (row,) = [r for r in recs if not r.get("summary")]
+    assert row["part"] == "ablation" and row["cluster"] == "L4:25,T4:75"
+    for algo in ("np", "ppipe"):
+        assert row["algos"][algo]["check"] == "ok" and row["algos"][algo]["ours"] > 0
+    assert row["batch_delay_rate_rps"] == pytest.approx(row["algos"]["np"]["ours"], rel=1e-3)
+    assert row["ratio"] == pytest.approx(row["algos"]["ppipe"]["ours"] / row["algos"]["np"]["ours"], rel=1e-3)
+
+
+@pytest.mark.shared
+def test_planner_bench_scale_part():
+    if not reference_plans("v4"):
+        pytest.skip("../shared/data/ppipe is not present")
+    _, recs = _run_part("scale")
+    rows = [r for r in recs if not r.get("summary")]
+    (summary,) = [r for r in recs if r.get("summary")]
+    assert [r["kind"] for r in rows] == ["3types", "4types", "1kgpus", "10kgpus"]  # --limit 1 per cluster
+    assert [r["cluster"] for r in rows] == ["L4:25,V100:25,T4:50", "L4:25,V100:25,T4:25,P4:25",
+                                            "L4:250,T4:750", "L4:2500,T4:7500"]
+    assert [r["rate_scale"] for r in rows] == [1.0, 1.0, 10.0, 100.0]
+    for r in rows:
+        rec = r["algos"]["ppipe"]
+        assert "error" not in rec and rec["check"] == "ok" and rec["ours"] > 0, r
+    assert all(summary[k]["cases"] == 1 for k in ("3types", "4types", "1kgpus", "10kgpus"))
+
+
+def test_planner_bench_case_selection(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_planner", BENCH / "planner.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_planner", bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    cases = [bench.Case("scale", k, f"{k}/g{i}") for k in ("3types", "1kgpus") for i in range(3)]
+    assert [c.name for c in bench.select(cases, None, 2)] == ["3types/g0", "3types/g1", "1kgpus/g0", "1kgpus/g1"]
+    assert [c.name for c in bench.select(cases, "g2", None)] == ["3types/g2", "1kgpus/g2"]
+    assert [c.name for c in bench.select(cases, "1kgpus/", 1)] == ["1kgpus/g0"]

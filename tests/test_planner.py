@@ -307,7 +307,8 @@ def test_reference_configuration_is_matched(shared_profiles, algo, suffix):
     plan = plan_cluster(shared_profiles, models, [m.weight for m in v4.models], v4.cluster, v4.params,
                         algo, 30.0, [m.batch_delay_rate_rps for m in v4.models])
     assert check(plan, shared_profiles) == []
-    assert plan.normalized_throughput >= ref.normalized_throughput * (1.0 if algo == "ppipe" else 0.99)
+    # Every algorithm meets its reference plan under PPipe's rules (float noise aside).
+    assert plan.normalized_throughput >= ref.normalized_throughput * (1 - 1e-9)
 
 
 @pytest.mark.shared

@@ -41,6 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--slo-reference-gpu", default="L4", help="GPU type the SLO scale refers to (default L4)")
     r.add_argument("--slo-ms", help="explicit SLOs in ms, one per model (overrides --slo-scale)")
     r.add_argument("--slo-margin", type=float, default=0.4, help="fraction of the SLO kept free (default 0.4)")
+    r.add_argument("--share-gpus", action="store_true",
+                   help="let different models' vGPU slices share a physical GPU (gpu-lets' spatial "
+                   "sharing; off by default: PPipe's rule rounds each model's pools up to whole GPUs; "
+                   "never compare such a plan with a reference plan)")
     r.add_argument("--batch-delay-factor", type=float, default=1.3,
                    help="initial batching delay = factor x (bs-1) / rate (default 1.3)")
     r.add_argument("--batch-delay-rate",
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     slo_ms = _floats(args.slo_ms, "--slo-ms")
     params = PlanParams(
         slo_margin=args.slo_margin, batch_delay_factor=args.batch_delay_factor,
-        max_partitions=args.max_partitions,
+        max_partitions=args.max_partitions, share_gpus=args.share_gpus,
         slo_scale=None if slo_ms else args.slo_scale,
         slo_reference_gpu=None if slo_ms else args.slo_reference_gpu,
     )

@@ -188,7 +188,8 @@ def _plan_once(profiles, models, weights, cluster, params, algo, slo, rates, tim
             raise InputError(_no_config_message(profiles[m], cluster, params, algo, slo[m]))
         configs[m] = cs
     try:
-        allocs, info = solve_allocation(configs, weights, cluster, time_limit, threads)
+        allocs, info = solve_allocation(configs, weights, cluster, time_limit, threads,
+                                        share_gpus=params.share_gpus)
     except NoSolution as e:
         if e.proven:
             raise InputError("the cluster is too small to serve every model at once") from None
@@ -231,4 +232,5 @@ def build_plan(allocs: list[Allocation], info: SolveInfo, models, weights, clust
     obj = min(mp.throughput_rps / mp.weight for mp in mplans)
     solver = info.to_json()
     solver["objective"] = obj
+    solver["gpu_rule"] = "shared-across-models" if params.share_gpus else "ppipe-per-model"
     return Plan(cluster, params, mplans, obj, algo, solver)

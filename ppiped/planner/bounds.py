@@ -6,7 +6,13 @@ rounding, and then solves for each model on its own an exact integer knapsack: t
 throughput a priced budget of ``u`` buys with integer vGPU counts. Combining the models is then
 one-dimensional. The bound is valid for any non-negative prices, so a few price vectors can be
 tried and the smallest bound kept; it caps ``z`` in the MILP, and when an incumbent reaches it
-the search is over. With one binding GPU type the bound is almost always the exact optimum.
+the search is over.
+
+Pipelines on unpriced GPUs only cost nothing; what they can carry is bounded apart, by the
+fluid bound of :func:`fluid_bound`. When a single GPU type is priced, PPipe's rounding of each
+model's pools up to whole GPUs is kept too: a model that needs ``u`` GPUs' worth of that type
+holds at least ``ceil(u)`` of them. With one binding type this bound is usually the optimum,
+which the LP relaxation (blind to all rounding) is not.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class ModelKnapsack:
     arg: np.ndarray  # last item bought at u, -1 when F[u] = F[u-1]
     cost: np.ndarray
     what: list[Pick]
+    free: float = 0.0  # most throughput of the pipelines that cost nothing at these prices
 
     def units_for(self, demand: float) -> int:
         """Fewest units that buy ``demand`` (len(F) when none do)."""
@@ -80,12 +87,17 @@ def knapsack_bound(
     cluster: Cluster,
     prices: Prices,
     z_cap: float,
+    instances: dict[str, Instances] | None = None,
+    round_per_model: bool = False,
 ) -> KnapsackBound:
     """Upper bound on max-min weighted throughput under GPU ``prices`` (inf if it cannot bind).
 
     Prices are per GPU type, or per (type, partition index) pool; with pool prices a type's
     budget is valued at its dearest pool, which keeps the bound valid. ``z_cap`` is any known
-    upper bound (the LP's): no model needs more than weight × cap.
+    upper bound (the LP's): no model needs more than weight × cap. ``instances`` (from
+    :func:`model_instances` with the same cap) saves re-enumerating them per price vector.
+    ``round_per_model``: every model's use of a type is whole GPUs (PPipe's rule; not with
+    GPUs shared across models); used when one type alone is priced.
     """
     depth = max((len(c.segments) for cs in configs.values() for c in cs), default=1)
     top = {g: max(_price(prices, g, d) for d in range(depth)) for g in cluster.gpus}
@@ -95,71 +107,111 @@ def knapsack_bound(
         return KnapsackBound(math.inf)
     unit = max(min(positive) / _UNITS_PER_GPU, budget / _MAX_UNITS)
     total = int(math.floor(budget / unit + 1e-9))
-    tables = knapsack_tables(configs, weights, prices, unit, total, z_cap)
-    if tables is None:
-        return KnapsackBound(math.inf)
+    if instances is None:
+        instances = {mm: model_instances(cs, weights[mm] * z_cap) for mm, cs in configs.items()}
+    tables = knapsack_tables(instances, prices, unit, total, cluster)
+    priced = [g for g, p in top.items() if p > 0]
+    whole = None
+    if round_per_model and len(priced) == 1 and all(isinstance(k, str) for k in prices):
+        g = priced[0]
+        whole = (top[g] / unit, cluster.gpus[g].count)
     models = list(configs)
-    z, units = _combine([tables[mm].F for mm in models], [weights[mm] for mm in models], total)
+    z, units = _combine([tables[mm] for mm in models], [weights[mm] for mm in models], total, whole)
     picks = {mm: tables[mm].pick(u) for mm, u in zip(models, units, strict=True)}
     return KnapsackBound(z, picks, tables)
 
 
-def knapsack_tables(configs, weights, prices: Prices, unit: float, total: int,
-                    z_cap: float) -> dict[str, ModelKnapsack] | None:
-    """Each model's knapsack table up to ``total`` units of ``unit`` price each (None when some
-    model has a pipeline that costs nothing at these prices)."""
+def fluid_bound(configs: list[PipelineConfig], cluster: Cluster) -> float:
+    """Upper bound on the throughput ``configs`` carry together with the whole cluster.
+
+    A pipeline carrying x requests/s holds at least x·a_g GPUs of each type g it uses (a_g: its
+    GPUs of g per request/s), so x ≤ (its GPUs of g) / a_g for every g; charge it on the type
+    where a_g is largest. Each type then carries at most its count times the best rate charged
+    to it, and all of them at most the sum over types. (Mixing pipelines on different types is
+    what a bound over single pipelines would miss.)
+    """
+    rate: dict[str, float] = {}
+    for c in configs:
+        need: dict[str, float] = {}
+        for s in c.segments:
+            need[s.gpu] = need.get(s.gpu, 0.0) + 1.0 / s.rps_per_gpu
+        g, a = max(need.items(), key=lambda kv: kv[1])
+        rate[g] = max(rate.get(g, 0.0), 1.0 / a)
+    return sum(cluster.gpus[g].count * r for g, r in rate.items())
+
+
+@dataclass
+class Instances:
+    """Every efficient size of every pipeline of one model, independent of prices.
+
+    An instance is efficient when some pool is exactly as large as its throughput needs; any
+    real pipeline is matched by one that costs no more and carries as much. ``gpus[i, p]`` is
+    the physical GPUs instance ``i`` holds in pool kind ``p`` = (type, partition index).
+    """
+
+    gpus: np.ndarray
+    gain: np.ndarray
+    pools: list[tuple[str, int]]
+    config: np.ndarray
+    counts: list[tuple[int, ...]]
+    configs: list[PipelineConfig]
+
+    def pick(self, i: int) -> Pick:
+        return self.configs[int(self.config[i])], self.counts[i]
+
+
+def model_instances(cfgs: list[PipelineConfig], need: float) -> Instances:
+    """The efficient instances of ``cfgs`` up to throughput ``need`` (vectorised per config)."""
+    pools = sorted({(s.gpu, d) for c in cfgs for d, s in enumerate(c.segments)})
+    col = {p: i for i, p in enumerate(pools)}
+    gpus, gains, owner, counts = [], [], [], []
+    for ci, c in enumerate(cfgs):
+        t = np.array([s.rps_per_vgpu for s in c.segments])
+        if c.tied:
+            n = np.arange(1, max(1, math.ceil(need / t.min() - 1e-9)) + 1)
+            ns = np.repeat(n[:, None], len(t), axis=1)
+        else:
+            levels = np.unique(np.concatenate([
+                td * np.arange(1, max(1, math.ceil(need / td - 1e-9)) + 1) for td in t]))
+            ns = np.ceil(levels[:, None] / t[None, :] - 1e-9).astype(np.int64)
+        g = np.zeros((len(ns), len(pools)))
+        for d, s in enumerate(c.segments):
+            g[:, col[(s.gpu, d)]] += ns[:, d] / s.split
+        gpus.append(g)
+        gains.append((ns * t[None, :]).min(axis=1))
+        owner.append(np.full(len(ns), ci))
+        counts.extend(map(tuple, ns.tolist()))
+    return Instances(np.concatenate(gpus), np.concatenate(gains), pools, np.concatenate(owner),
+                     counts, list(cfgs))
+
+
+def knapsack_tables(instances: dict[str, Instances], prices: Prices, unit: float, total: int,
+                    cluster: Cluster) -> dict[str, ModelKnapsack]:
+    """Each model's knapsack table up to ``total`` units of ``unit`` price each."""
     tables: dict[str, ModelKnapsack] = {}
-    for mm, cfgs in configs.items():
-        items = _items(cfgs, prices, unit, weights[mm] * z_cap)
-        if items is None:
-            return None
-        cost, gain, what = items
-        if (cost <= 0).any():
-            return None  # resolution too coarse to price some pipeline
+    for mm, inst in instances.items():
+        cost, gain, what, free = _items(inst, prices, unit)
         F, arg = _unbounded_knapsack(cost, gain, total)
-        tables[mm] = ModelKnapsack(F, arg, cost, what)
+        tables[mm] = ModelKnapsack(F, arg, cost, what, fluid_bound(free, cluster) if free else 0.0)
     return tables
 
 
-def _items(cfgs: list[PipelineConfig], prices: Prices, unit: float, need: float):
-    """Pipeline instances at every efficient size: costs (units), throughputs, what they are.
-
-    An instance is efficient when some pool is exactly as large as the throughput needs; any
-    real pipeline is matched by one that costs no more and carries as much. ``None`` when some
-    configuration runs on unpriced GPUs only (the relaxation then cannot bound that model).
-    """
-    costs: list[int] = []
-    gains: list[float] = []
-    what: list[Pick] = []
-    for c in cfgs:
-        t = [s.rps_per_vgpu for s in c.segments]
-        price = [_price(prices, s.gpu, d) / s.split for d, s in enumerate(c.segments)]
-        if not any(price):
-            return None
-        if c.tied:
-            r = min(t)
-            for n in range(1, max(1, math.ceil(need / r - 1e-9)) + 1):
-                costs.append(int(math.floor(sum(price) * n / unit + 1e-9)))
-                gains.append(r * n)
-                what.append((c, (n,) * len(t)))
-            continue
-        levels = set()
-        for td in t:
-            levels.update(td * n for n in range(1, max(1, math.ceil(need / td - 1e-9)) + 1))
-        for x in levels:
-            ns = tuple(math.ceil(x / td - 1e-9) for td in t)
-            costs.append(int(math.floor(sum(n * p for n, p in zip(ns, price, strict=True)) / unit + 1e-9)))
-            gains.append(min(n * td for n, td in zip(ns, t, strict=True)))
-            what.append((c, ns))
-    cost = np.array(costs, dtype=np.int64)
-    gain = np.array(gains, dtype=np.float64)
+def _items(inst: Instances, prices: Prices, unit: float):
+    """The instances worth buying at ``prices``: costs (units ≥ 1), throughputs, what they are;
+    and the configurations that cost nothing at these prices (bounded apart)."""
+    pv = np.array([_price(prices, g, d) for g, d in inst.pools])
+    money = inst.gpus @ pv
+    paid = money > 0
+    free_cfg = sorted(set(inst.config[~paid].tolist()))
+    cost = np.maximum(1, np.floor(money[paid] / unit + 1e-9).astype(np.int64))
+    gain = inst.gain[paid]
+    rows = np.flatnonzero(paid)
     # Per cost keep the best gain, and drop items a cheaper item beats; sorted by cost.
     order = np.lexsort((-gain, cost))
     c_s, g_s = cost[order], gain[order]
-    first = np.r_[True, c_s[1:] != c_s[:-1]]
-    sel = first & (g_s >= np.maximum.accumulate(g_s))
-    idx = order[sel]
-    return cost[idx], gain[idx], [what[i] for i in idx]
+    first = np.r_[True, c_s[1:] != c_s[:-1]][: len(order)]
+    idx = order[first & (g_s >= np.maximum.accumulate(g_s))]
+    return cost[idx], gain[idx], [inst.pick(rows[i]) for i in idx], [inst.configs[i] for i in free_cfg]
 
 
 @numba.njit(cache=True)
@@ -185,21 +237,34 @@ def _unbounded_knapsack(cost: np.ndarray, gain: np.ndarray, total: int) -> tuple
     return F, arg
 
 
-def _combine(curves: list[np.ndarray], weights: list[float], total: int) -> tuple[float, list[int]]:
+def _combine(tables: list[ModelKnapsack], weights: list[float], total: int,
+             whole: tuple[float, int] | None = None) -> tuple[float, list[int]]:
     """Largest z such that buying w_m·z for every model fits in ``total`` units, and the units
-    each model then needs."""
-    cands = np.unique(np.concatenate([F / w for F, w in zip(curves, weights, strict=True)]))
+    each model then needs. ``whole`` = (units per GPU, GPUs): one type alone is priced and each
+    model's use of it is rounded up to whole GPUs before the sum is held to the count."""
+    cands = np.unique(np.concatenate([(t.F + t.free) / w for t, w in zip(tables, weights, strict=True)]))
 
     def need(z: float) -> list[int]:
-        return [int(np.searchsorted(F, w * z * (1 - 1e-12), side="left"))
-                for F, w in zip(curves, weights, strict=True)]
+        out = []
+        for t, w in zip(tables, weights, strict=True):
+            rest = w * z * (1 - 1e-12) - t.free
+            out.append(0 if rest <= 0 else int(np.searchsorted(t.F, rest, side="left")))
+        return out
+
+    def fits(units: list[int]) -> bool:
+        if any(u >= len(t.F) for u, t in zip(units, tables, strict=True)):
+            return False
+        if whole is None:
+            return sum(units) <= total
+        per_gpu, count = whole
+        return sum(math.ceil(u / per_gpu - 1e-6) for u in units) <= count
 
     lo, hi = 0, len(cands) - 1
-    if sum(need(cands[lo])) > total:
-        return 0.0, [0] * len(curves)
+    if not fits(need(cands[lo])):
+        return 0.0, [0] * len(tables)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if sum(need(cands[mid])) <= total:
+        if fits(need(cands[mid])):
             lo = mid
         else:
             hi = mid - 1

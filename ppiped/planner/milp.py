@@ -1,29 +1,40 @@
 """The pool-allocation MILP over pre-enumerated pipeline configurations (python-mip, CBC).
 
 Variables: per configuration ``c`` a continuous throughput ``x_c`` and an integer vGPU count
-``n_cd`` per partition ``d`` (one shared count for DART-r's tied pairs); per (partition index,
-GPU type) an integer count ``G_dk`` of physical GPUs that covers the fractional use of its
-vGPUs, which is how "round each partition index up to whole GPUs" stays linear; and ``z``, the
-weighted throughput of the worst model, which is maximised. There is no big-M anywhere: every
-bound comes from the cluster's GPU counts.
+``n_cd`` per partition ``d`` (one shared count for DART-r's tied pairs); per (model, partition
+index, GPU type) an integer count ``G_mdk`` of physical GPUs that covers the fractional use of
+its vGPUs, which is how PPipe's "round up to whole GPUs per model, partition index and type"
+stays linear (with ``share_gpus``, one ``G_dk`` across models); and ``z``, the weighted
+throughput of the worst model, which is maximised. There is no big-M anywhere: every bound
+comes from the cluster's GPU counts.
+
+Every branch-and-bound run happens in a forked child (:func:`_cbc`) that is killed when it
+overruns its limit, so a solver that hangs costs the limit and no more; the best allocation
+found before it is kept and the kill is reported.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
+import pickle
+import select
+import signal
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import mip
 
 from ..cluster import Cluster
-from .bounds import knapsack_bound
+from ..plan import gpus_used
+from .bounds import fluid_bound, knapsack_bound, model_instances
 from .configs import PipelineConfig
 
 log = logging.getLogger(__name__)
@@ -97,16 +108,79 @@ def quiet_stdout() -> Iterator[None]:
         os.close(devnull)
 
 
-def gpu_budget_used(allocs: list[Allocation]) -> dict[str, int]:
-    """Physical GPUs per type under the partition-index rounding rule."""
-    use: dict[tuple[str, int], float] = defaultdict(float)
-    for a in allocs:
-        for d, (n, s) in enumerate(zip(a.vgpus, a.config.segments, strict=True)):
-            use[(s.gpu, d)] += n / s.split
-    out: dict[str, int] = defaultdict(int)
-    for (g, _), u in use.items():
-        out[g] += math.ceil(u - 1e-9)
-    return dict(out)
+def gpu_budget_used(allocs: list[Allocation], share_gpus: bool = False) -> dict[str, int]:
+    """Physical GPUs per type under the checker's rounding rule (:func:`ppiped.plan.gpus_used`)."""
+    pools = [(a.config.model, d, s.gpu, n / s.split) for a in allocs
+             for d, (n, s) in enumerate(zip(a.vgpus, a.config.segments, strict=True))]
+    return {g: u["total"] for g, u in gpus_used(pools, share_gpus).items()}
+
+
+def in_child(fn: Callable[[], Any], limit_s: float) -> tuple[Any, str]:
+    """``fn()`` in a forked child, its result pickled back; ("killed" | "crashed" | "ok").
+
+    Every CBC model lives and dies in such a child, for two reasons. A solver that hangs or
+    ignores its limit is killed ``limit_s`` in, and the caller keeps what it found before.
+    And python-mip's models sit in reference cycles: when the cyclic collector frees one while
+    another model is inside a cffi call (``ffi.new`` in ``set_start``), its ``__del__`` waits on
+    a lock that call holds and the process hangs for good; the child never collects (and never
+    frees: it leaves with ``os._exit``), and the parent never holds a model.
+
+    ``os.fork`` rather than ``multiprocessing``: the child needs the configurations in memory
+    (no pickling of thousands of them), and ``multiprocessing`` refuses children of daemonic
+    processes such as a process pool's workers.
+    """
+    rfd, wfd = os.pipe()
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: compute, write the answer, leave without any clean-up
+        code = 0
+        try:
+            os.close(rfd)
+            gc.disable()
+            data = pickle.dumps(fn())
+            with os.fdopen(wfd, "wb") as f:
+                f.write(data)
+        except BaseException:  # noqa: BLE001 - the parent sees a missing answer and says so
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    data, killed = _read_child(rfd, pid, limit_s)
+    if killed:
+        return None, "killed"
+    try:
+        return pickle.loads(data), "ok"
+    except Exception:  # noqa: BLE001 - crashed or garbled: no answer
+        return None, "crashed"
+
+
+def _read_child(rfd: int, pid: int, limit_s: float) -> tuple[bytes, bool]:
+    """Everything the child writes before it exits or ``limit_s`` passes (then it is killed)."""
+    end = time.monotonic() + limit_s
+    chunks: list[bytes] = []
+    killed = False
+    try:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                killed = True
+                break
+            ready, _, _ = select.select([rfd], [], [], left)
+            if not ready:
+                continue
+            b = os.read(rfd, 1 << 20)
+            if not b:
+                break
+            chunks.append(b)
+    finally:
+        os.close(rfd)
+        if killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    return b"".join(chunks), killed
 
 
 def solve_allocation(
@@ -116,6 +190,7 @@ def solve_allocation(
     time_limit_s: float = 60.0,
     threads: int = 1,
     rel_gap: float = 1e-6,
+    share_gpus: bool = False,
 ) -> tuple[list[Allocation], SolveInfo]:
     """Choose vGPU counts for ``configs`` that maximise min over models of throughput/weight.
 
@@ -129,22 +204,24 @@ def solve_allocation(
     """
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
-    lp = _build(configs, weights, cluster, integer=False, z_cap=None, threads=threads)
-    with quiet_stdout():
-        lp.model.optimize()
-    if lp.model.num_solutions == 0:
+    lp, how = in_child(lambda: _lp_relaxation(configs, weights, cluster, threads, share_gpus),
+                       max(1.0, time_limit_s) + KILL_GRACE_S)
+    if lp is None:
+        raise RuntimeError(f"the LP relaxation's child was {how}")
+    if lp[0] is None:
         raise NoSolution("the LP relaxation has no solution")
-    z_lp = float(lp.model.objective_value)
-    lp_prices = {g: max(0.0, float(r.pi or 0.0)) for g, r in lp.budget_rows.items()}
-    S = _Search(configs, weights, cluster, threads, rel_gap, deadline, z_lp)
-    S.keep |= {id(c) for c, x, _ in lp.xs if (x.x or 0.0) > 1e-9}
+    z_lp, lp_prices, lp_used = lp[0], lp[1], {id(c) for mm, i in lp[2] for c in [configs[mm][i]]}
+    S = _Search(configs, weights, cluster, threads, rel_gap, deadline, z_lp, share_gpus, t0)
+    S.keep |= lp_used
     S.phases["lp_bound"] = z_lp
+    S.lap("lp")
     S.try_prices(lp_prices)
     S.phases["knapsack_bound"] = S.bound
     for prices in _price_variants(lp_prices, cluster):
         if S.done() or time.perf_counter() > deadline:
             break
         S.try_prices(prices)
+    S.lap("knapsack")
     if not S.done():
         # The kernel: what the LP and the knapsacks used, the most efficient configurations at
         # the LP's prices, and every single-partition one (the small pools that fill the last
@@ -152,12 +229,16 @@ def solve_allocation(
         S.keep |= _most_efficient(configs, lp_prices, _TOP_K)
         S.keep |= {id(c) for cs in configs.values() for c in cs if len(c.segments) == 1}
         S.restricted(max(_RESTRICTED_S, _RESTRICTED_SHARE * (deadline - time.perf_counter())))
+        S.lap("restricted")
     status = "optimal" if S.done() else "feasible"
     stats = (0, 0, 0)
     if not S.done() and time.perf_counter() < deadline:
         r = _cbc(configs, weights, cluster, S.bound,
-                 max(0.1, deadline - time.perf_counter() - _DEADLINE_MARGIN_S), threads, rel_gap, S.best)
+                 max(0.1, deadline - time.perf_counter() - _DEADLINE_MARGIN_S), threads, rel_gap, S.best,
+                 share_gpus)
         stats = (r.num_vars, r.num_int, r.num_constrs)
+        if r.killed:
+            S.phases["full_killed"] = True
         S.offer(r.allocs, "full")
         if r.status == "optimal":
             S.bound = min(S.bound, max(S.best_z, r.bound))
@@ -165,6 +246,7 @@ def solve_allocation(
         elif r.status in ("feasible", "no_solution_found", "other"):
             S.bound = min(S.bound, r.bound) if r.bound > 0 else S.bound
         S.phases["full_status"] = r.status
+        S.lap("full")
     if not S.best:
         proven = S.phases.get("full_status") == "optimal" or S.bound <= 1e-9
         raise NoSolution(f"no feasible allocation found in {time.perf_counter() - t0:.1f} s", proven)
@@ -205,8 +287,9 @@ def _most_efficient(configs, prices, k) -> set[int]:
 class _Search:
     """Incumbent, bound and the configurations worth a restricted MILP."""
 
-    def __init__(self, configs, weights, cluster, threads, rel_gap, deadline, z_lp):
+    def __init__(self, configs, weights, cluster, threads, rel_gap, deadline, z_lp, share_gpus, t0):
         self.configs, self.weights, self.cluster = configs, weights, cluster
+        self.share_gpus = share_gpus
         self.threads, self.rel_gap, self.deadline = threads, rel_gap, deadline
         self.bound = z_lp
         self.z_lp = z_lp
@@ -215,12 +298,20 @@ class _Search:
         self.keep: set[int] = set()
         self.phases: dict = {}
         self.price_tries = 0
+        self.instances = None
+        self._t = t0
+
+    def lap(self, phase: str) -> None:
+        """Record the seconds spent in ``phase`` since the previous lap."""
+        now = time.perf_counter()
+        self.phases[f"{phase}_s"] = round(now - self._t, 4)
+        self._t = now
 
     def done(self) -> bool:
         return self.best_z >= self.bound * (1 - self.rel_gap) - 1e-9
 
     def offer(self, allocs: list[Allocation], source: str) -> None:
-        if allocs and _fits(allocs, self.cluster):
+        if allocs and _fits(allocs, self.cluster, self.share_gpus):
             z = _objective(allocs, self.weights)
             if z > self.best_z + 1e-9:
                 self.best, self.best_z = allocs, z
@@ -230,7 +321,11 @@ class _Search:
         """Tighten the bound with one price vector; keep what it bought as an incumbent if it
         fits, and its configurations for the restricted MILP."""
         self.price_tries += 1
-        kb = knapsack_bound(self.configs, self.weights, self.cluster, prices, self.z_lp)
+        if self.instances is None:
+            self.instances = {mm: model_instances(cs, self.weights[mm] * self.z_lp)
+                              for mm, cs in self.configs.items()}
+        kb = knapsack_bound(self.configs, self.weights, self.cluster, prices, self.z_lp, self.instances,
+                            round_per_model=not self.share_gpus)
         self.bound = min(self.bound, kb.bound)
         self.phases["price_vectors"] = self.price_tries
         guess = _merge_picks(kb.picks)
@@ -246,8 +341,10 @@ class _Search:
         if any(not cs for cs in sub.values()):
             return
         r = _cbc(sub, self.weights, self.cluster, self.bound, min(seconds, left),
-                 self.threads, self.rel_gap, self.best)
+                 self.threads, self.rel_gap, self.best, self.share_gpus)
         self.offer(r.allocs, "restricted")
+        if r.killed:
+            self.phases["restricted_killed"] = True
         self.phases["restricted_configs"] = sum(len(v) for v in sub.values())
 
 
@@ -276,11 +373,59 @@ class _CbcResult:
     num_vars: int
     num_int: int
     num_constrs: int
+    killed: bool = False
 
 
-def _cbc(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start) -> _CbcResult:
-    """One CBC run on the MILP over ``configs`` with ``z`` capped by a known bound."""
-    B = _build(configs, weights, cluster, integer=True, z_cap=z_cap * (1 + 1e-9) + 1e-9, threads=threads)
+# Seconds a branch-and-bound child may run past its own limit before it is killed.
+KILL_GRACE_S = 3.0
+
+
+def _cbc(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start,
+         share_gpus) -> _CbcResult:
+    """One CBC run on the MILP over ``configs`` (in a child, killed ``KILL_GRACE_S`` after
+    ``time_limit_s``); the child sends back only indices and counts."""
+    def run():
+        out = _cbc_in_process(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap,
+                              start, share_gpus)
+        index = _index(configs)
+        return (out.status, [(index[id(a.config)], a.vgpus) for a in out.allocs], out.objective,
+                out.bound, out.num_vars, out.num_int, out.num_constrs)
+
+    answer, how = in_child(run, time_limit_s + KILL_GRACE_S)
+    if answer is None:
+        log.warning("planner: a CBC child was %s (limit %.1f s); keeping the best plan found "
+                    "before it", how, time_limit_s)
+        return _CbcResult(how, [], -1.0, z_cap, 0, 0, 0, how == "killed")
+    status, picks, obj, bound, nv, ni, nc = answer
+    allocs = [Allocation(configs[mm][i], tuple(ns)) for (mm, i), ns in picks]
+    return _CbcResult(status, allocs, obj, bound, nv, ni, nc)
+
+
+def _index(configs) -> dict[int, tuple[str, int]]:
+    return {id(c): (mm, i) for mm, cs in configs.items() for i, c in enumerate(cs)}
+
+
+def _lp_relaxation(configs, weights, cluster, threads, share_gpus):
+    """The LP relaxation's bound, GPU prices (duals of the budget rows) and the
+    configurations it uses; (None, ...) when it has no solution."""
+    lp = _build(configs, weights, cluster, integer=False, z_cap=None, threads=threads,
+                share_gpus=share_gpus)
+    with quiet_stdout():
+        lp.model.optimize()
+    if lp.model.num_solutions == 0:
+        return None, {}, []
+    index = _index(configs)
+    return (float(lp.model.objective_value),
+            {g: max(0.0, float(r.pi or 0.0)) for g, r in lp.budget_rows.items()},
+            [index[id(c)] for c, x, _ in lp.xs if (x.x or 0.0) > 1e-9],
+            {mm: abs(float(r.pi or 0.0)) for mm, r in lp.model_rows.items()})
+
+
+def _cbc_in_process(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start,
+                    share_gpus) -> _CbcResult:
+    """The CBC run itself, with ``z`` capped by a known bound."""
+    B = _build(configs, weights, cluster, integer=True, z_cap=z_cap * (1 + 1e-9) + 1e-9, threads=threads,
+               share_gpus=share_gpus)
     m = B.model
     m.max_mip_gap = rel_gap
     m.max_mip_gap_abs = 1e-6
@@ -306,18 +451,6 @@ def _gap(obj: float, bound: float) -> float:
     if obj <= 0:
         return math.inf if bound > 0 else 0.0
     return max(0.0, (bound - obj) / obj)
-
-
-def _solo_bound(configs: list[PipelineConfig], cluster: Cluster) -> float:
-    """Fluid bound on one model's throughput: the best config given every GPU it could use."""
-    best = 0.0
-    for c in configs:
-        # Each partition consumes 1/rps_per_gpu GPUs per request/s from its type's budget.
-        need: dict[str, float] = defaultdict(float)
-        for s in c.segments:
-            need[s.gpu] += 1.0 / s.rps_per_gpu
-        best = max(best, min(cluster.gpus[g].count / a for g, a in need.items()))
-    return best
 
 
 def _trim(c: PipelineConfig, counts: tuple[int, ...]) -> tuple[int, ...]:
@@ -362,9 +495,11 @@ class _Built:
     xs: list[tuple[PipelineConfig, mip.Var, list[mip.Var]]]
     z: mip.Var
     budget_rows: dict[str, mip.Constr]
+    model_rows: dict[str, mip.Constr]
 
 
-def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | None, threads: int) -> _Built:
+def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | None, threads: int,
+           share_gpus: bool = False) -> _Built:
     """The MILP (or its LP relaxation). ``z_cap`` is a known bound on the objective.
 
     With a cap, no model needs more than weight × cap: pipelines and pools may be bounded by
@@ -376,12 +511,14 @@ def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | Non
     m.threads = threads
     kind = mip.INTEGER if integer else mip.CONTINUOUS
     models = list(configs)
-    z_ub = min(_solo_bound(configs[mm], cluster) / weights[mm] for mm in models)
+    z_ub = min(fluid_bound(configs[mm], cluster) / weights[mm] for mm in models)
     if z_cap is not None:
         z_ub = min(z_ub, z_cap)
     z = m.add_var("z", lb=0.0, ub=max(z_ub, 0.0))
     xs: list[tuple[PipelineConfig, mip.Var, list[mip.Var]]] = []
-    pool_use: dict[tuple[int, str], list[tuple[float, mip.Var]]] = defaultdict(list)
+    model_rows: dict[str, mip.Constr] = {}
+    # Pools whose vGPU use is rounded up together: PPipe's (model, index, type), or (index, type).
+    pool_use: dict[tuple, list[tuple[float, mip.Var]]] = defaultdict(list)
     for mm in models:
         xm = []
         need = weights[mm] * z_ub
@@ -403,13 +540,14 @@ def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | Non
                     ns.append(m.add_var(f"n{tag}_{d}", var_type=kind, lb=0, ub=ub_n))
             for d, (s, n) in enumerate(zip(c.segments, ns, strict=True)):
                 m += x <= s.rps_per_vgpu * n
-                pool_use[(d, s.gpu)].append((1.0 / s.split, n))
+                pool_use[(s.gpu, d) if share_gpus else (s.gpu, d, mm)].append((1.0 / s.split, n))
             xs.append((c, x, ns))
             xm.append(x)
-        m += mip.xsum(xm) >= weights[mm] * z
+        model_rows[mm] = m.add_constr(mip.xsum(xm) >= weights[mm] * z, name=f"serve_{len(model_rows)}")
     per_type: dict[str, list[mip.Var]] = defaultdict(list)
-    for (d, g), terms in sorted(pool_use.items()):
-        G = m.add_var(f"G{d}_{g}", var_type=kind, lb=0, ub=cluster.gpus[g].count)
+    for key, terms in pool_use.items():
+        g = key[0]
+        G = m.add_var(f"G{len(per_type[g])}_{g}", var_type=kind, lb=0, ub=cluster.gpus[g].count)
         # Integer coefficients (in 1/lcm of the splits) let CBC derive knapsack and MIR cuts.
         lcm = math.lcm(*(round(1 / coef) for coef, _ in terms))
         m += mip.xsum(round(coef * lcm) * n for coef, n in terms) <= lcm * G
@@ -418,7 +556,7 @@ def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | Non
     for g, Gs in per_type.items():
         rows[g] = m.add_constr(mip.xsum(Gs) <= cluster.gpus[g].count, name=f"budget_{g}")
     m.objective = mip.maximize(z)
-    return _Built(m, xs, z, rows)
+    return _Built(m, xs, z, rows, model_rows)
 
 
 def _merge_picks(picks: dict[str, list[tuple[PipelineConfig, tuple[int, ...]]]]) -> list[Allocation]:
@@ -431,8 +569,8 @@ def _merge_picks(picks: dict[str, list[tuple[PipelineConfig, tuple[int, ...]]]])
     return [Allocation(c, tuple(ns)) for c, ns in merged.values()]
 
 
-def _fits(allocs: list[Allocation], cluster: Cluster) -> bool:
-    used = gpu_budget_used(allocs)
+def _fits(allocs: list[Allocation], cluster: Cluster, share_gpus: bool) -> bool:
+    used = gpu_budget_used(allocs, share_gpus)
     return all(n <= cluster.gpus[g].count for g, n in used.items())
 
 
