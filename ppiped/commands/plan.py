@@ -53,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--algo", choices=("ppipe", "np", "dart-r"), default="ppipe")
     s.add_argument("--time-limit", type=float, default=60.0, help="seconds for the whole plan (default 60)")
     s.add_argument("--threads", type=int, default=1, help="CBC threads (default 1)")
+    s.add_argument("--mip-gap", type=float, default=1e-6,
+                   help="stop once the plan is within this fraction of the best bound (default 1e-6)")
     s.add_argument("--subprocess", action="store_true",
                    help="solve in a child process, as the daemon does")
     p.add_argument("-o", "--output", help="write the plan (ppiped-plan/1) here")
@@ -86,13 +88,13 @@ def run(args: argparse.Namespace) -> int:
         from ..planner.solve import make_request, plan_in_subprocess
 
         req = make_request(profiles, models, weights, cluster, params, args.algo, args.time_limit,
-                           rates, args.threads, slos)
+                           rates, args.threads, slos, args.mip_gap)
         plan = plan_in_subprocess(req)
     else:
         from ..planner import plan_cluster
 
         plan = plan_cluster(profiles, models, weights, cluster, params, args.algo, args.time_limit,
-                            rates, args.threads, slos)
+                            rates, args.threads, slos, args.mip_gap)
     violations = check(plan, profiles)
     if args.output:
         save_plan(plan, args.output)

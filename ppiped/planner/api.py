@@ -44,6 +44,7 @@ def plan_cluster(
     batch_delay_rates: Sequence[float] | None = None,
     threads: int = 1,
     slos_us: Sequence[float] | None = None,
+    mip_gap: float = 1e-6,
 ) -> Plan:
     """Plan ``models`` (load ``weights``) on ``cluster`` with ``algo`` in about ``time_limit`` s.
 
@@ -56,6 +57,8 @@ def plan_cluster(
     params = params or PlanParams()
     req = _validate(profiles, models, weights, cluster, params, algo, time_limit, batch_delay_rates,
                     slos_us)
+    if not 0 <= mip_gap < 1:
+        raise InputError(f"MIP gap is a fraction in [0, 1), got {mip_gap}")
     slo = req["slo"]
     for m in models:  # fail fast, naming the algorithm asked for, if even bs 1 misses the SLO
         if not algo_configs(profiles[m], cluster, params, algo, slo[m], None, max_batch=1):
@@ -66,13 +69,13 @@ def plan_cluster(
     else:
         try:
             rates = _np_rates(profiles, models, req["weights"], cluster, params, slo, t0 + time_limit,
-                              threads)
+                              threads, mip_gap)
         except InputError as e:
             raise InputError(f"{e} (the NP plan sets each model's batching-delay rate; give the "
                              "rates explicitly to plan without it)") from None
     deadline = t0 + time_limit
     plan = _plan_once(profiles, models, req["weights"], cluster, params, algo, slo, rates,
-                      max(0.5, deadline - time.perf_counter()), threads)
+                      max(0.5, deadline - time.perf_counter()), threads, mip_gap)
     plan.solver["plan_s"] = time.perf_counter() - t0
     return plan
 
@@ -123,7 +126,8 @@ def _validate(profiles, models, weights, cluster, params, algo, time_limit, rate
     return {"slo": slo, "weights": dict(zip(models, (float(w) for w in weights), strict=True))}
 
 
-def _np_rates(profiles, models, weights, cluster, params, slo, deadline, threads) -> dict[str, float]:
+def _np_rates(profiles, models, weights, cluster, params, slo, deadline, threads,
+              mip_gap) -> dict[str, float]:
     """λ for the batching-delay estimate: each model's throughput in the NP plan.
 
     The NP plan needs λ itself, so it is solved first without the delay estimate and then
@@ -132,7 +136,7 @@ def _np_rates(profiles, models, weights, cluster, params, slo, deadline, threads
     rates: dict[str, float | None] = dict.fromkeys(models)
     for rnd in range(_RATE_ROUNDS + 1):
         p = _plan_once(profiles, models, weights, cluster, params, "np", slo, rates,
-                       max(0.5, (deadline - time.perf_counter()) / 4), threads)
+                       max(0.5, (deadline - time.perf_counter()) / 4), threads, mip_gap)
         new = {m.model: m.throughput_rps for m in p.models}
         settled = all(r is not None and abs(new[m] - r) <= _RATE_TOL * r for m, r in rates.items())
         log.info("NP rates round %d: %s", rnd, ", ".join(f"{m} {x:.1f}" for m, x in new.items()))
@@ -180,7 +184,8 @@ def _dart_configs(profile, cluster, params, slo_us, rate_rps, max_batch=None) ->
     return out
 
 
-def _plan_once(profiles, models, weights, cluster, params, algo, slo, rates, time_limit, threads) -> Plan:
+def _plan_once(profiles, models, weights, cluster, params, algo, slo, rates, time_limit, threads,
+               mip_gap) -> Plan:
     configs = {}
     for m in models:
         cs = algo_configs(profiles[m], cluster, params, algo, slo[m], rates[m])
@@ -188,7 +193,7 @@ def _plan_once(profiles, models, weights, cluster, params, algo, slo, rates, tim
             raise InputError(_no_config_message(profiles[m], cluster, params, algo, slo[m]))
         configs[m] = cs
     try:
-        allocs, info = solve_allocation(configs, weights, cluster, time_limit, threads,
+        allocs, info = solve_allocation(configs, weights, cluster, time_limit, threads, mip_gap,
                                         share_gpus=params.share_gpus)
     except NoSolution as e:
         if e.proven:

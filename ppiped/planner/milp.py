@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mip
+import mip.cbc  # noqa: F401 - parse CBC's cffi declarations (0.4 s) once, before any child forks
 
 from ..cluster import Cluster
 from ..plan import gpus_used
@@ -214,6 +215,7 @@ def solve_allocation(
     S = _Search(configs, weights, cluster, threads, rel_gap, deadline, z_lp, share_gpus, t0)
     S.keep |= lp_used
     S.phases["lp_bound"] = z_lp
+    S.phases["bound_by"] = "lp"
     S.lap("lp")
     S.try_prices(lp_prices)
     S.phases["knapsack_bound"] = S.bound
@@ -228,7 +230,7 @@ def solve_allocation(
         # fractional GPUs of a partition index are usually whole-model pipelines).
         S.keep |= _most_efficient(configs, lp_prices, _TOP_K)
         S.keep |= {id(c) for cs in configs.values() for c in cs if len(c.segments) == 1}
-        S.restricted(max(_RESTRICTED_S, _RESTRICTED_SHARE * (deadline - time.perf_counter())))
+        S.restricted(min(_RESTRICTED_MAX_S, max(_RESTRICTED_S, _RESTRICTED_SHARE * (deadline - time.perf_counter()))))
         S.lap("restricted")
     status = "optimal" if S.done() else "feasible"
     stats = (0, 0, 0)
@@ -241,10 +243,13 @@ def solve_allocation(
             S.phases["full_killed"] = True
         S.offer(r.allocs, "full")
         if r.status == "optimal":
-            S.bound = min(S.bound, max(S.best_z, r.bound))
+            if max(S.best_z, r.bound) < S.bound:
+                S.bound = max(S.best_z, r.bound)
+                S.phases["bound_by"] = "cbc"
             status = "optimal"
-        elif r.status in ("feasible", "no_solution_found", "other"):
-            S.bound = min(S.bound, r.bound) if r.bound > 0 else S.bound
+        elif r.status in ("feasible", "no_solution_found", "other") and 0 < r.bound < S.bound:
+            S.bound = r.bound
+            S.phases["bound_by"] = "cbc"
         S.phases["full_status"] = r.status
         S.lap("full")
     if not S.best:
@@ -268,9 +273,11 @@ def solve_allocation(
 
 # Seconds kept back from CBC at the end for reading its answer and building the plan.
 _DEADLINE_MARGIN_S = 1.0
-# The restricted MILP gets this many seconds, or this share of what is left if more.
-_RESTRICTED_S = 2.0
-_RESTRICTED_SHARE = 0.5
+# The restricted MILP gets this many seconds, or this share of what is left if more, but never
+# more than the cap: it is there for an incumbent, and the full MILP proves anything left.
+_RESTRICTED_S = 1.0
+_RESTRICTED_SHARE = 0.1
+_RESTRICTED_MAX_S = 5.0
 # Configurations per model, cheapest per request/s at the LP's prices, in the restricted MILP.
 _TOP_K = 8
 
@@ -326,7 +333,11 @@ class _Search:
                               for mm, cs in self.configs.items()}
         kb = knapsack_bound(self.configs, self.weights, self.cluster, prices, self.z_lp, self.instances,
                             round_per_model=not self.share_gpus)
-        self.bound = min(self.bound, kb.bound)
+        if kb.bound < self.bound:
+            self.bound = kb.bound
+            # The bound is checkable: knapsack_bound() with these prices gives it again.
+            self.phases["bound_by"] = "knapsack"
+            self.phases["bound_prices"] = {str(k): v for k, v in prices.items()}
         self.phases["price_vectors"] = self.price_tries
         guess = _merge_picks(kb.picks)
         self.offer(guess, "knapsack")

@@ -48,6 +48,7 @@ def make_request(
     batch_delay_rates: Sequence[float] | None = None,
     threads: int = 1,
     slos_us: Sequence[float] | None = None,
+    mip_gap: float = 1e-6,
 ) -> dict[str, Any]:
     """The JSON request for one planning run; the arguments are those of ``plan_cluster``."""
     missing = [m for m in models if m not in profiles]
@@ -64,6 +65,7 @@ def make_request(
         "batch_delay_rates": None if batch_delay_rates is None else [float(r) for r in batch_delay_rates],
         "threads": int(threads),
         "slos_us": None if slos_us is None else [float(s) for s in slos_us],
+        "mip_gap": float(mip_gap),
     }
 
 
@@ -75,7 +77,7 @@ def run_request(req: Mapping[str, Any]) -> Plan:
     return plan_cluster(
         profiles, req["models"], req["weights"], cluster_from_json(req["cluster"], "request cluster"),
         PlanParams(**req["params"]), req["algo"], req["time_limit"], req.get("batch_delay_rates"),
-        req.get("threads", 1), req.get("slos_us"),
+        req.get("threads", 1), req.get("slos_us"), req.get("mip_gap", 1e-6),
     )
 
 
