@@ -6,7 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as the tomli package
+    import tomli as tomllib
 
 
 def read_json(path: Path, error: type[Exception]) -> Any:

@@ -201,3 +201,18 @@ def test_refusal_and_bad_flags(sched, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ppiped.executor.main", "--config", str(cfg), "--vgpu", "3-1"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "--vgpu: bad range" in r.stderr
+
+
+def test_broken_partition_file_exits_2_naming_it(sched, tmp_path):
+    pytest.importorskip("onnxruntime")
+    cfg = write_config(tmp_path, backend="ort")
+    part = tmp_path / "parts" / "tiny" / "1-2.onnx"
+    part.write_bytes(b"this is not an ONNX model")
+    p = sched.spawn(cfg, "0,1")
+    ident, _, _ = sched.recv(T.REGISTER)
+    sched.send(ident, wire.welcome([assignment(v, v, v == 1) for v in (0, 1)], 50))
+    rc = p.wait(timeout=20)
+    err = p.stderr.read()
+    assert rc == 2, err
+    line = next(x for x in err.splitlines() if x.startswith("ppiped-executor: error: cannot load"))
+    assert "vGPU 1 (tiny pipeline 0 partition 1, blocks [1,2))" in line, line

@@ -370,14 +370,15 @@ class Executor:
 
     async def _preload(self, p: Prep) -> None:
         t0 = now_us()
+        a = None
         try:
             for a in p.assignments:
                 if self._serving(a) is not None:
                     continue  # unchanged: the worker serving it now goes on serving it
                 p.workers[a.vgpu] = await self._make_worker(a)
-        except (UserError, ValueError, OSError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - any load failure is reported, never raised
             p.error = f"{type(e).__name__}: {e}"
-            log.warning("preload-failed", prep=p.id, error=p.error)
+            log.warning("preload-failed", prep=p.id, **_where(a), error=p.error)
             self._close_workers(p.workers.values())
             p.workers = {}
         load_us = now_us() - t0
@@ -416,12 +417,18 @@ class Executor:
         old, self.workers = self.workers, {}
         for w in old.values():
             w.close()
+        a = None
         try:
             workers = {}
             for a in assignments:
                 workers[a.vgpu] = await self._make_worker(a)
-        except (UserError, ValueError, OSError, RuntimeError) as e:
-            log.error("load-failed", error=str(e))
+        except Exception as e:  # noqa: BLE001 - the executor cannot serve: say why and exit 2
+            log.error("load-failed", **_where(a), error=f"{type(e).__name__}: {e}")
+            w = _where(a)
+            what = (f"vGPU {w['vgpu']} ({w['model']} pipeline {w['pipeline']} partition "
+                    f"{w['partition']}, blocks {w['blocks']})") if w else "the assignment"
+            print(f"ppiped-executor: error: cannot load {what}: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
             self.loading = False
             self.stop(2)
             return
@@ -584,6 +591,14 @@ class Executor:
             with contextlib.suppress(zmq.Again):
                 self.ctl.send(wire.feedback(entries), zmq.NOBLOCK)
             self.ctl_reader.kick()
+
+
+def _where(a: wire.Assignment | None) -> dict:
+    """The vGPU and partition a load failure concerns, for the log."""
+    if a is None:
+        return {}
+    return {"vgpu": a.vgpu, "model": a.model, "pipeline": a.pipeline, "partition": a.partition,
+            "blocks": f"[{a.start},{a.end})"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
