@@ -381,10 +381,18 @@ _REF_NAME = re.compile(
 REFERENCE_ALGOS = {"v4": "ppipe", "bl": "np", "dart-r": "dart-r"}
 
 
-def reference_name_info(path: str | Path) -> dict[str, Any]:
+def reference_name_info(path: str | Path, models: list[str] | None = None) -> dict[str, Any]:
     """Cluster parameters encoded in a reference plan's file name (``weights`` is None when the
-    name has no weights segment, as single-model plans have not)."""
-    m = _REF_NAME.search(Path(path).name)
+    name has no weights segment, as single-model plans have not).
+
+    ``models``: the plan's model names, which the file name starts with joined by ``-``; the
+    rest is then read from just after them, so a name ending in ``_<number>``
+    (``wide_resnet101_2``) is never taken for a weight.
+    """
+    name = Path(path).name
+    prefix = "-".join(models or [])
+    m = _REF_NAME.match(name, len(prefix)) if prefix and name.startswith(prefix) else None
+    m = m or _REF_NAME.search(name)
     if not m:
         raise PlanError(f"{path}: not a reference plan file name (…_<weights>_<gpuA>-<gpuB>_"
                         "<countA>-<countB>_bw-gbps-<B>_sla-multiplier-<S>_<algo>.json)")
@@ -413,7 +421,8 @@ def import_reference(path: str | Path, cluster: Cluster | None = None,
         raise PlanError(f"{path}: a reference plan is a non-empty JSON list of models")
     info = None
     if cluster is None or weights is None:
-        info = reference_name_info(path)
+        names = [e.get("config", {}).get("dnn_name") for e in d if isinstance(e, dict)]
+        info = reference_name_info(path, names if all(isinstance(n, str) for n in names) else None)
     if weights is None:
         weights = info["weights"]  # type: ignore[index]
         if weights is None:

@@ -4,12 +4,30 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
+import numpy as np
 import pytest
 from conftest import MODELS_DIR, reference_plans
 
 from ppiped.cli import main as cli
-from ppiped.plan import check, import_reference, load_plan, plan_from_json, save_plan
+from ppiped.cluster import cluster_from_json
+from ppiped.plan import (
+    ModelPlan,
+    Partition,
+    Pipeline,
+    Plan,
+    PlanError,
+    PlanParams,
+    check,
+    gpus_used,
+    import_reference,
+    load_plan,
+    per_vgpu_throughput_rps,
+    plan_from_json,
+    save_plan,
+)
+from ppiped.profiles import Profile, save_profile
 
 ALL_REFERENCE = reference_plans()
 
@@ -138,3 +156,182 @@ def test_cli_check_accepts_and_rejects(plan_and_profiles, reference_plan_path, t
     out = capsys.readouterr().out
     assert f"model {m.model}, pipeline {pi}, partition 0: [throughput-inflated]" in out
     assert cli(["check", str(tmp_path / "missing.json"), "--profiles", str(MODELS_DIR)]) == 2
+
+
+# --- the GPU budget rule and single-model reference files, on a synthetic world -------------
+# (no ../shared needed: the profiles, plans and reference files are built here)
+
+
+def _syn_profile(name: str) -> Profile:
+    """Four blocks; GPU "A" at splits 1-4 and "B" whole, batch sizes 1-2."""
+    base = np.array([2000.0, 3000.0, 2500.0, 1500.0])
+
+    def lat(mult: float, split: int) -> np.ndarray:
+        return np.outer(base * mult * (1 + 0.6 * (split - 1)), [1.0, 1.6])
+
+    latency = {"A": {v: lat(1.0, v) for v in (1, 2, 3, 4)}, "B": {1: lat(2.5, 1)}}
+    whole = {g: float(latency[g][1][:, 0].sum()) for g in latency}
+    return Profile(name, 4, latency, np.array([400_000.0, 200_000.0, 100_000.0]), whole)
+
+
+SYN = {m: _syn_profile(m) for m in ("alpha", "beta")}
+SYN_SLO_US = 1e6
+
+
+def _syn_cluster(a: int, b: int = 8):
+    return cluster_from_json({"nic_gbps": 10, "gpus": {
+        "A": {"count": a, "per_server": 2, "splits": [1, 2, 3, 4]},
+        "B": {"count": b, "per_server": 1, "splits": [1]}}})
+
+
+def _syn_plan(spec: dict, cluster, share_gpus: bool = False) -> Plan:
+    """A plan whose every figure is recomputed from SYN: ``spec`` maps a model to its pipelines,
+    each a list of (start, end, gpu, split, vGPUs) partitions at batch size 1."""
+    params = PlanParams(slo_scale=None, slo_reference_gpu=None, share_gpus=share_gpus)
+    models = []
+    for name, pipes in spec.items():
+        prof = SYN[name]
+        pipelines = []
+        for parts in pipes:
+            qs = [Partition((a, b), g, v, n, prof.partition_latency_us(g, v, a, b, 1),
+                            prof.transfer_us(b, 1, cluster.nic_gbps),
+                            n * per_vgpu_throughput_rps(prof, cluster, g, v, a, b, 1), 1)
+                  for a, b, g, v, n in parts]
+            pipelines.append(Pipeline(1, min(q.throughput_rps for q in qs),
+                                      sum(q.lat_infer_us + q.lat_trans_us for q in qs), qs))
+        models.append(ModelPlan(name, SYN_SLO_US, 1.0, sum(p.throughput_rps for p in pipelines),
+                                pipelines, 100.0))
+    return Plan(cluster, params, models, min(m.throughput_rps / m.weight for m in models), "ppipe")
+
+
+def test_gpus_used_rounds_per_model_and_partition_index():
+    pools = [("m", 0, "A", 1.5), ("m", 0, "A", 1.5), ("m", 1, "A", 1.5), ("n", 0, "A", 0.5),
+             ("n", 0, "B", 0.25)]
+    assert gpus_used(pools) == {"A": {"total": 3 + 2 + 1, "groups": {("m", 0): 3, ("m", 1): 2, ("n", 0): 1}},
+                                "B": {"total": 1, "groups": {("n", 0): 1}}}
+    assert gpus_used(pools, share_gpus=True) == {"A": {"total": 4 + 2, "groups": {(0,): 4, (1,): 2}},
+                                                 "B": {"total": 1, "groups": {(0,): 1}}}
+    # float noise in a sum of thirds or tenths is not a whole extra GPU
+    assert gpus_used([("m", 0, "A", 1 / 3)] * 3)["A"]["total"] == 1
+    assert gpus_used([("m", 0, "A", 0.1)] * 10)["A"]["total"] == 1
+
+
+def test_two_models_never_share_a_gpu_unless_asked():
+    """Half a GPU each for two models: one GPU holds both only with share_gpus."""
+    spec = {"alpha": [[(0, 4, "A", 4, 2)]], "beta": [[(0, 4, "A", 4, 2)]]}
+    cl = _syn_cluster(a=1)
+    vs = check(_syn_plan(spec, cl), SYN)
+    assert [v.rule for v in vs] == ["gpu-budget"]
+    assert "2 A GPUs used" in vs[0].message and "cluster has 1" in vs[0].message
+    assert check(_syn_plan(spec, cl, share_gpus=True), SYN) == []
+    assert check(_syn_plan(spec, _syn_cluster(a=2)), SYN) == []
+    # sharing still counts whole GPUs: 0.75 + 0.75 of one GPU does not fit in one
+    over = {"alpha": [[(0, 4, "A", 4, 3)]], "beta": [[(0, 4, "A", 4, 3)]]}
+    assert rules(_syn_plan(over, cl, share_gpus=True), SYN) == {"gpu-budget"}
+
+
+# alpha's two pipelines hold 1.5 A GPUs each (3 vGPUs at split 2)
+A_FIRST_0_2 = [(0, 2, "A", 2, 3), (2, 4, "B", 1, 2)]
+A_FIRST_0_3 = [(0, 3, "A", 2, 3), (3, 4, "B", 1, 1)]
+A_SECOND = [(0, 1, "B", 1, 1), (1, 4, "A", 2, 3)]
+
+
+def test_one_models_pools_at_one_index_round_together():
+    plan = _syn_plan({"alpha": [A_FIRST_0_2, A_FIRST_0_3]}, _syn_cluster(a=3))
+    assert sum(q.num_gpus for p in plan.models[0].pipelines for q in p.partitions if q.gpu == "A") == 3.0
+    assert check(plan, SYN) == []  # ceil(1.5 + 1.5) = 3
+    assert rules(_syn_plan({"alpha": [A_FIRST_0_2, A_FIRST_0_3]}, _syn_cluster(a=2)), SYN) == {"gpu-budget"}
+
+
+@pytest.mark.parametrize("share_gpus", [False, True])
+def test_pools_at_different_indices_round_apart(share_gpus):
+    """The same 3 GPUs' worth at partition indices 0 and 1: ceil(1.5) + ceil(1.5) = 4 > 3,
+    whether or not models may share GPUs (sharing is across models, never across indices)."""
+    plan = _syn_plan({"alpha": [A_FIRST_0_2, A_SECOND]}, _syn_cluster(a=3), share_gpus)
+    vs = check(plan, SYN)
+    assert [v.rule for v in vs] == ["gpu-budget"]
+    assert "4 A GPUs used" in vs[0].message and "cluster has 3" in vs[0].message
+    assert check(_syn_plan({"alpha": [A_FIRST_0_2, A_SECOND]}, _syn_cluster(a=4), share_gpus), SYN) == []
+
+
+def test_two_models_pools_at_one_index_round_apart():
+    """Two models' 1.5-GPU pools at index 0: 2 + 2 GPUs under PPipe's rule, 3 shared."""
+    spec = {"alpha": [A_FIRST_0_2], "beta": [A_FIRST_0_3]}
+    assert rules(_syn_plan(spec, _syn_cluster(a=3)), SYN) == {"gpu-budget"}
+    assert check(_syn_plan(spec, _syn_cluster(a=3), share_gpus=True), SYN) == []
+    assert check(_syn_plan(spec, _syn_cluster(a=4)), SYN) == []
+
+
+def _reference_json(plan: Plan) -> list[dict]:
+    """``plan`` in the layout of PPipe's reference plan files."""
+    out = []
+    for m in plan.models:
+        cfg = {"dnn_name": m.model, "gpu_name_arr": ["A", "B"], "num_gpu_per_server_arr": [2, 1],
+               "num_mps_levels": [4, 1], "bw_gbps": 10, "sla": m.slo_us,
+               "hist_adjustment": math.floor(0.4 * m.slo_us), "batch_build_factor": 1.3,
+               "max_num_parts": 2, "est_xput": m.batch_delay_rate_rps}
+        pipes = [{"xput": p.throughput_rps, "partitions": [
+            {"layers": list(q.blocks), "gpu": q.gpu, "mps": q.vgpu_split - 1, "num_gpu": q.num_gpus,
+             "lat_infer": q.lat_infer_us, "lat_trans": q.lat_trans_us, "xput": q.throughput_rps,
+             "bs": q.batch_size} for q in p.partitions]} for p in m.pipelines]
+        out.append({"config": cfg, "pipelines": pipes, "xput": m.throughput_rps})
+    return out
+
+
+@pytest.fixture
+def syn_dirs(tmp_path):
+    """A profile directory with SYN, and cluster specs with 3 and 2 A GPUs."""
+    prof = tmp_path / "profiles"
+    prof.mkdir()
+    for p in SYN.values():
+        save_profile(p, prof / f"{p.model}.json")
+    for a in (3, 2):
+        (tmp_path / f"a{a}.toml").write_text(
+            f'nic_gbps = 10\n[gpus.A]\ncount = {a}\nper_server = 2\nsplits = [1, 2, 3, 4]\n'
+            '[gpus.B]\ncount = 8\nper_server = 1\nsplits = [1]\n')
+    return tmp_path, prof
+
+
+def test_single_model_reference_file_without_weights_checks(syn_dirs, capsys):
+    tmp, prof = syn_dirs
+    plan = _syn_plan({"alpha": [A_FIRST_0_2, A_FIRST_0_3]}, _syn_cluster(a=3))
+    f = tmp / "alpha_A-B_3-8_bw-gbps-10_sla-multiplier-5_v4.json"
+    f.write_text(json.dumps(_reference_json(plan)))
+    ref = import_reference(f)
+    assert [m.weight for m in ref.models] == [1.0]
+    assert ref.algo == "ppipe" and ref.cluster.gpus["A"].count == 3
+    assert ref.normalized_throughput == pytest.approx(plan.models[0].throughput_rps)
+    assert check(ref, SYN) == []
+    assert cli(["check", str(f), "--profiles", str(prof), "--cluster", str(tmp / "a3.toml")]) == 0
+    assert cli(["check", str(f), "--profiles", str(prof)]) == 0  # the cluster from the name
+    assert capsys.readouterr().out.startswith("ok ")
+    assert cli(["check", str(f), "--profiles", str(prof), "--cluster", str(tmp / "a2.toml"), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert not out["ok"] and any("[gpu-budget]" in v for v in out["violations"])
+
+
+def test_multi_model_reference_file_without_weights_is_refused(syn_dirs, capsys):
+    tmp, prof = syn_dirs
+    plan = _syn_plan({"alpha": [A_FIRST_0_2], "beta": [A_FIRST_0_3]}, _syn_cluster(a=4))
+    f = tmp / "alpha-beta_A-B_4-8_bw-gbps-10_sla-multiplier-5_v4.json"
+    f.write_text(json.dumps(_reference_json(plan)))
+    with pytest.raises(PlanError, match="2 models but the file name gives no weights"):
+        import_reference(f)
+    for extra in ([], ["--cluster", str(tmp / "a3.toml")]):
+        assert cli(["check", str(f), "--profiles", str(prof), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "ppiped check: error:" in err and "no weights" in err
+        assert "Traceback" not in err
+    # with weights in the name the same file is fine
+    g = tmp / "alpha-beta_0.5-0.5_A-B_4-8_bw-gbps-10_sla-multiplier-5_v4.json"
+    g.write_text(f.read_text())
+    assert cli(["check", str(g), "--profiles", str(prof)]) == 0
+
+
+def test_single_model_name_ending_in_a_number_is_not_a_weight(tmp_path):
+    plan = _syn_plan({"alpha": [A_FIRST_0_2]}, _syn_cluster(a=3))
+    ref = _reference_json(plan)
+    ref[0]["config"]["dnn_name"] = "net_2"
+    f = tmp_path / "net_2_A-B_3-8_bw-gbps-10_sla-multiplier-5_v4.json"
+    f.write_text(json.dumps(ref))
+    assert [m.weight for m in import_reference(f).models] == [1.0]

@@ -224,6 +224,8 @@ def solve_allocation(
             break
         S.try_prices(prices)
     S.lap("knapsack")
+    if not S.best:  # an incumbent, however poor, before anything that may run out of time
+        S.offer(_greedy(configs, weights, cluster, lp_prices, share_gpus), "greedy")
     if not S.done():
         # The kernel: what the LP and the knapsacks used, the most efficient configurations at
         # the LP's prices, and every single-partition one (the small pools that fill the last
@@ -568,6 +570,53 @@ def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | Non
         rows[g] = m.add_constr(mip.xsum(Gs) <= cluster.gpus[g].count, name=f"budget_{g}")
     m.objective = mip.maximize(z)
     return _Built(m, xs, z, rows, model_rows)
+
+
+def _greedy(configs, weights, cluster: Cluster, prices: dict[str, float],
+            share_gpus: bool) -> list[Allocation]:
+    """A feasible plan in a fraction of a second: grow the worst-served model by one small
+    balanced instance of the cheapest configuration (at ``prices``) that still fits the GPU
+    rule, until no model can grow. Instances grow in steps of about 1 % of a type's GPUs, so
+    the loop stays short on clusters of thousands."""
+    def cost(c):
+        return sum((prices.get(s.gpu, 0.0) or 1.0) / s.rps_per_gpu for s in c.segments)
+
+    ranked = {mm: sorted(cs, key=cost) for mm, cs in configs.items()}
+    frac: dict[tuple, float] = defaultdict(float)  # rounding group -> GPUs, fractional
+    used: dict[str, int] = defaultdict(int)  # type -> GPUs after rounding
+    got: dict[str, float] = dict.fromkeys(configs, 0.0)
+    counts: dict[int, list] = {}
+    open_models = set(configs)
+    while open_models:
+        mm = min(open_models, key=lambda k: got[k] / weights[k])
+        for c in ranked[mm]:
+            top = max(s.rps_per_vgpu for s in c.segments)
+            step = max(1, min(cluster.gpus[s.gpu].count for s in c.segments) // 100)
+            ns = [max(1, math.ceil(step * top / s.rps_per_vgpu - 1e-9)) for s in c.segments]
+            if c.tied:
+                ns = [max(ns)] * len(ns)
+            delta: dict[str, int] = defaultdict(int)
+            keys = []
+            for d, (n, s) in enumerate(zip(ns, c.segments, strict=True)):
+                key = (s.gpu, d) if share_gpus else (s.gpu, d, mm)
+                keys.append((key, n / s.split))
+            new = dict((k, frac[k]) for k, _ in keys)
+            for k, g in keys:
+                new[k] += g
+            for k, v in new.items():
+                delta[k[0]] += math.ceil(v - 1e-9) - math.ceil(frac[k] - 1e-9)
+            if all(used[g] + dv <= cluster.gpus[g].count for g, dv in delta.items()):
+                frac.update(new)
+                for g, dv in delta.items():
+                    used[g] += dv
+                e = counts.setdefault(id(c), [c, [0] * len(ns)])
+                e[1] = [a + b for a, b in zip(e[1], ns, strict=True)]
+                got[mm] = sum(Allocation(cc, tuple(v)).throughput_rps for cc, v in counts.values()
+                              if cc.model == mm)
+                break
+        else:
+            open_models.discard(mm)
+    return [Allocation(c, tuple(v)) for c, v in counts.values()]
 
 
 def _merge_picks(picks: dict[str, list[tuple[PipelineConfig, tuple[int, ...]]]]) -> list[Allocation]:
