@@ -43,7 +43,7 @@ from ..plan import Plan
 from ..profiles import Profile
 from ..wire import Status, T
 from . import sdnotify
-from .config import ConfigError, ServeConfig, format_ranges
+from .config import ConfigError, ServeConfig, check_endpoint, format_ranges
 from .ctl_server import CtlServer
 from .loop import Reader, Timers, now_us, pin_this_thread, send_parts, unavailable_cpus, zmq_context
 from .metrics import Metrics, MetricsServer
@@ -60,6 +60,7 @@ OFFSET_SAMPLES = 16
 MAX_VGPU_ID = 1 << 16  # registrations beyond the plan's vGPUs wait on standby, up to this id
 DONE_BATCH_KEEP_US = 2_000_000  # keep answered batches this long for late feedback
 REPORT_MANY_FROM = 8  # feedback reports: one compiled call each below this many, else one for all
+WARN_EVERY_US = 1_000_000  # repeated warnings of one kind: at most one log line a second
 
 
 class Req:
@@ -191,6 +192,10 @@ class Server:
         self.replanner = Replanner(self)
         self.ctl_server: CtlServer | None = None
         self.metrics_server: MetricsServer | None = None
+        # Set before any reader exists: a message may arrive while run() still awaits start-up.
+        self._dirty_decide = False
+        self._burst_start = 0
+        self._warned: dict[str, int] = {}  # warning kind -> µs when last logged (rate limit)
 
     def _model_limits(self) -> None:
         """Per-model SLO and input size: the config's [models.NAME] overrides, else the plan's SLO."""
@@ -271,11 +276,12 @@ class Server:
                                   f"this process (it may run on {format_ranges(sorted(os.sched_getaffinity(0)))})")
         self.zctx = zmq_context(cfg.io_threads, cfg.io_cpus)
         try:
-            self.client = self._bind(zmq.ROUTER, cfg.client, "endpoints.client")
+            self.client = self._bind(zmq.ROUTER, cfg.client, "endpoints.client",
+                                     max_frame=max(cfg.max_payload_bytes, wire.MAX_HEADER_BYTES))
             self.client.setsockopt(zmq.SNDHWM, 0)
             self.client.setsockopt(zmq.RCVHWM, 0)
             self.exe = self._bind(zmq.ROUTER, cfg.executor, "endpoints.executor", mandatory=True)
-            self.ctl = self._bind(zmq.ROUTER, cfg.ctl, "endpoints.ctl")
+            self.ctl = self._bind(zmq.ROUTER, cfg.ctl, "endpoints.ctl", max_frame=wire.MAX_HEADER_BYTES)
         except ConfigError:
             self.zctx.destroy(0)
             raise
@@ -289,8 +295,6 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 self.loop.add_signal_handler(sig, self.stop)
-        self._dirty_decide = False
-        self._burst_start = 0
         self.housekeeping()
         wd = sdnotify.watchdog_interval_s()
         if wd:
@@ -326,9 +330,14 @@ class Server:
                 raise ConfigError(f"{self.cfg.source}: metrics.port: cannot listen on "
                                   f"{self.cfg.metrics_host}:{self.cfg.metrics_port}: {e}") from None
 
-    def _bind(self, kind: int, ep: str, key: str, mandatory: bool = False) -> zmq.Socket:
+    def _bind(self, kind: int, ep: str, key: str, mandatory: bool = False,
+              max_frame: int = -1) -> zmq.Socket:
+        """A bound socket; ``max_frame``: ZMQ_MAXMSGSIZE, so libzmq drops a peer that sends a
+        larger frame before allocating it (the payload check after receipt comes too late)."""
         s = self.zctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
+        if max_frame > 0:
+            s.setsockopt(zmq.MAXMSGSIZE, max_frame + 4096)
         if mandatory:
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             s.setsockopt(zmq.SNDHWM, 1_000_000)
@@ -414,6 +423,10 @@ class Server:
     def on_submit(self, ident: bytes, h: list, msg: list, t: int) -> None:
         _, _, model, slo_us, ids = h
         frames = msg[2:]
+        if not ids:
+            self.counters["malformed"] += 1
+            send_parts(self.client, [ident, wire.error(wire.MALFORMED, "SUBMIT carries no requests")])
+            return
         if len(ids) != len(frames):
             self.counters["malformed"] += 1
             self._reject(ident, ids, wire.MALFORMED, None,
@@ -694,8 +707,19 @@ class Server:
                 ex.last_seen = now_us()
         except wire.ProtocolError as e:
             self.counters["exec_malformed"] += 1
-            log.warning("bad-executor-message", code=e.code, error=str(e))
+            self.warn_limited("bad-executor-message", code=e.code, error=str(e))
             self._send_exec(ident, wire.error(e.code, str(e)))
+
+    def warn_limited(self, event: str, **fields: Any) -> None:
+        """A warning logged at most once a second per kind; the rest are only counted."""
+        t = now_us()
+        if t - self._warned.get(event, -WARN_EVERY_US) >= WARN_EVERY_US:
+            self._warned[event] = t
+            n = self.counters[f"suppressed_{event}"]
+            self.counters[f"suppressed_{event}"] = 0
+            log.warning(event, suppressed=n, **fields)
+        else:
+            self.counters[f"suppressed_{event}"] += 1
 
     def _send_exec(self, ident: bytes, *frames: Any) -> bool:
         try:
@@ -716,6 +740,13 @@ class Server:
             log.warning("register-refused", vgpus=vgpus, pid=pid)
             self._send_exec(ident, wire.error("unknown-vgpu", f"vGPU id(s) {bad or vgpus} out of range "
                                               f"(0-{MAX_VGPU_ID - 1}; the plan has 0-{self.nv - 1})"))
+            return
+        try:
+            check_endpoint(endpoint, "data_endpoint", "REGISTER", self.cfg.allow_remote)
+        except ConfigError as e:
+            self.counters["register_refused"] += 1
+            self.warn_limited("register-refused", vgpus=format_ranges(vgpus), pid=pid, error=str(e))
+            self._send_exec(ident, wire.error("bad-endpoint", str(e)))
             return
         old = self.execs.get(ident)
         if old is not None and old.incarnation == incarnation and old.vgpus == list(vgpus):
@@ -825,12 +856,24 @@ class Server:
 
     def on_result(self, ex: ExecState, h: list, frames: list) -> None:
         _, _, bid, ids, meta, failed, _ = h
+        if len(failed) % 2 or not all(type(failed[i]) is int and type(failed[i + 1]) is str
+                                      for i in range(0, len(failed), 2)):
+            raise wire.ProtocolError(wire.MALFORMED, "RESULT.failed: expected a flat list "
+                                     "[request id, reason string, ...]")
         b = self.batches.get(bid)
         if b is None or b.answered:
             self.counters["late_results"] += 1
             return
         if len(frames) != len(ids):
             raise wire.ProtocolError(wire.MALFORMED, f"RESULT for {len(ids)} requests carries {len(frames)} frames")
+        # Results only from the executor holding the batch's last hop; failures from any hop.
+        last = self.vgpu_exec[b.path[-1]] if b.path[-1] < self.nv else None
+        if (ids and last is not ex) or (failed and not any(
+                v < self.nv and self.vgpu_exec[v] is ex for v in b.path)):
+            self.counters["foreign_results"] += 1
+            self.warn_limited("foreign-result", batch=bid, pid=ex.pid, vgpus=format_ranges(ex.vgpus),
+                              path=b.path)
+            return
         st = self.stats[b.model]
         if ids:
             by: dict[bytes, tuple[list[int], list]] = {}
@@ -963,6 +1006,10 @@ class Server:
             cmd = req.get("cmd", "status") if isinstance(req, dict) else None
             if cmd == "status":
                 out = self.status()
+            elif cmd in ("reset-overhead", "stop") and not self.cfg.ctl.startswith("ipc://"):
+                # Anyone who can reach a TCP port could send it; a unix socket has file permissions.
+                out = {"error": f"{cmd!r} is refused on a TCP ctl endpoint (status only); use an "
+                                "ipc:// endpoints.ctl, or ppiped-ctl over the ctl unix socket"}
             elif cmd == "reset-overhead":
                 self.n_overhead = self.n_wake = 0
                 out = {"ok": True}

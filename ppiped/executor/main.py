@@ -54,6 +54,9 @@ from .backends import Backend, make_backend
 
 log = logs.get("ppiped.executor")
 
+# A reserved start further ahead than this is not a real reservation (it would hold the queue).
+MAX_START_SKEW_US = 60_000_000
+
 REGISTER_RETRY_US = 1_000_000
 CANCELLED_MEMORY = 4096
 PEER_RETRY_US = 200_000
@@ -186,7 +189,8 @@ class Executor:
         self.hb_ms = cfg.heartbeat_interval_ms
         self.hb_gen = 0
         self.exit_code = 0
-        self.counters = {"batches": 0, "requests": 0, "forwarded": 0, "dropped_no_peer": 0}
+        self.counters = {"batches": 0, "requests": 0, "forwarded": 0, "dropped_no_peer": 0,
+                         "bad_peer_messages": 0, "bad_jobs": 0}
 
     # --- life cycle ---------------------------------------------------------------------------
 
@@ -266,11 +270,7 @@ class Executor:
             elif t == T.CANCEL:
                 self.on_cancel(h[2])
             elif t == T.PEERS:
-                flat = h[2]
-                self.directory = {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
-                for v in self.directory:  # connect now: a first send must not wait for a handshake
-                    if v not in self.workers and v not in self.vgpus:
-                        self._push_sock(v)
+                self.on_peers(h[2])
             elif t == T.WELCOME:
                 self.on_welcome(h[2], h[3])
             elif t == T.PREPARE:
@@ -283,6 +283,29 @@ class Executor:
                 log.warning("unexpected-message", type=T(t).name)
         except wire.ProtocolError as e:
             log.warning("bad-message", source="scheduler", code=e.code, error=str(e))
+
+    def on_peers(self, flat: list) -> None:
+        """The directory of data endpoints; an entry that is not a vGPU id and a valid endpoint
+        is left out (and logged), never connected to."""
+        directory: dict[int, str] = {}
+        bad = []
+        for i in range(0, len(flat) - 1, 2):
+            v, ep = flat[i], flat[i + 1]
+            try:
+                if type(v) is not int or v < 0:
+                    raise ConfigError(f"vGPU id {v!r} is not an unsigned int")
+                check_endpoint(ep, f"vGPU {v}", "PEERS", self.cfg.allow_remote)
+                directory[v] = ep
+            except ConfigError as e:
+                bad.append(str(e))
+        if bad:
+            log.warning("bad-peers", entries=len(bad), first=bad[0])
+        for ep in set(self.push_socks) - set(directory.values()):
+            self.push_socks.pop(ep).close(0)
+        self.directory = directory
+        for v in self.directory:  # connect now: a first send must not wait for a handshake
+            if v not in self.workers and v not in self.vgpus:
+                self._push_sock(v)
 
     def on_error(self, code: str, message: str) -> None:
         if code == wire.UNREGISTERED:
@@ -496,15 +519,23 @@ class Executor:
             if h[1] != T.FORWARD:
                 raise wire.ProtocolError(wire.MALFORMED, f"unexpected {T(h[1]).name} on the data socket")
             _, _, batch, path, starts, hop, ids, meta = h
+            wire.expect_frames(h, len(msg) - 1, len(ids))
+            if hop < 1:
+                raise wire.ProtocolError(wire.MALFORMED, "FORWARD.hop: hop 0 comes only from the scheduler")
             self.accept(Job(batch, path, starts, hop, ids, msg[1:], meta, now_us(), next(self.seq)))
         except wire.ProtocolError as e:
-            log.warning("bad-message", source="peer", code=e.code, error=str(e))
+            self.counters["bad_peer_messages"] += 1
+            if self.counters["bad_peer_messages"] & (self.counters["bad_peer_messages"] - 1) == 0:
+                log.warning("bad-message", source="peer", code=e.code, error=str(e),
+                            count=self.counters["bad_peer_messages"])  # 1st, 2nd, 4th, 8th, ...
 
     def accept(self, job: Job) -> None:
         if job.batch in self.cancelled:
             return
-        if not (0 <= job.hop < len(job.path)) or len(job.starts) != len(job.path):
-            log.warning("bad-job", batch=job.batch, hop=job.hop, path=job.path)
+        if not (0 <= job.hop < len(job.path)) or len(job.starts) != len(job.path) or \
+                job.starts[job.hop] - job.ready_us > MAX_START_SKEW_US:
+            self.counters["bad_jobs"] += 1
+            log.warning("bad-job", batch=job.batch, hop=job.hop, path=job.path[:8])
             return
         w = self.workers.get(job.path[job.hop])
         if w is None:
@@ -575,7 +606,12 @@ class Executor:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.IMMEDIATE, 1)  # fail fast instead of queueing for a dead peer
             s.setsockopt(zmq.SNDHWM, 10_000)
-            s.connect(ep)
+            try:
+                s.connect(ep)
+            except zmq.ZMQError as e:
+                s.close(0)
+                log.warning("peer-connect-failed", vgpu=vgpu, endpoint=ep, error=str(e))
+                return None
             self.push_socks[ep] = s
         return s
 

@@ -1,0 +1,162 @@
+"""Hostile peers against a real daemon with emulated executors: forged results, bogus endpoints,
+malformed results, an empty SUBMIT and ctl commands over TCP. Legit traffic runs alongside and
+must get only genuine answers."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from ppiped import wire
+from ppiped.client import Client, Dropped
+from ppiped.daemon.config import load_config
+from ppiped.daemon.launch import LocalCluster, short_tmpdir, write_config
+from ppiped.executor import tiny
+from ppiped.wire import T
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with short_tmpdir("ppiped-sec-") as d:
+        d = Path(d)
+        plan, profiles = tiny.write_example(d)
+        cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=1000,
+                           scheduler={"wait_guard_us": 25_000},
+                           extra="[models.tiny]\ninput_bytes = 0\n")
+        c = LocalCluster(cfg, ((0, 2), (1, 3)), log_level="info")
+        try:
+            c.start()
+            yield c, load_config(cfg)
+        finally:
+            c.stop()
+
+
+class Impostor:
+    """A process on the host that speaks the executor protocol without being one."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def register(self, vgpus: list[int], data_endpoint: str) -> list:
+        self.sock.send(wire.register(vgpus, data_endpoint, "emulate", os.getpid(), 0, 1))
+        return self.next()
+
+    def next(self, timeout_s: float = 5.0) -> list:
+        assert self.sock.poll(int(timeout_s * 1000)), "no answer from the scheduler"
+        return wire.decode(self.sock.recv_multipart()[0])
+
+    def close(self) -> None:
+        self.ctx.destroy(0)
+
+
+def test_forged_results_never_reach_a_client(cluster, tmp_path):
+    c, cfg = cluster
+    imp = Impostor(cfg.executor)
+    try:
+        h = imp.register([200], f"ipc://{tmp_path}/impostor.sock")  # a vGPU the plan lacks: standby
+        assert h[1] == T.WELCOME
+        before = c.status()["counters"].get("foreign_results", 0)
+        lo = c.status()["totals"]["accepted"]
+        stop = threading.Event()
+
+        def forge():  # results for every batch id the next requests may get, over and over
+            while not stop.is_set():
+                for bid in range(max(1, lo - 10), lo + 400):
+                    imp.sock.send_multipart([wire.result(bid, list(range(bid, bid + 4)), None, [], []),
+                                             *[b"FORGED"] * 4])
+                time.sleep(0.002)
+
+        t = threading.Thread(target=forge, daemon=True)
+        t.start()
+        try:
+            genuine = 0
+            with Client(c.client_endpoint, timeout_s=10) as cl:
+                frames = [b"genuine-%d" % i for i in range(200)]
+                for k in range(0, 200, 5):
+                    out = cl.submit_many("tiny", frames[k:k + 5], slo_ms=500)
+                    for r, f in zip(out, frames[k:k + 5], strict=True):
+                        # the flood may cost deadlines; an answer is never someone else's data
+                        assert isinstance(r, Dropped) or r.data == f
+                        genuine += not isinstance(r, Dropped)
+            assert genuine >= 100
+        finally:
+            stop.set()
+            t.join(5)
+        assert c.status()["counters"].get("foreign_results", 0) > before
+    finally:
+        imp.close()
+
+
+def test_bad_endpoints_and_malformed_results_are_refused(cluster):
+    c, cfg = cluster
+    imp = Impostor(cfg.executor)
+    try:
+        h = imp.register([201], "bogus-endpoint")
+        assert h[1] == T.ERROR and h[2] == "bad-endpoint"
+        imp2 = Impostor(cfg.executor)
+        try:
+            assert imp2.register([202], "ipc:///tmp/ppiped-sec-unused.sock")[1] == T.WELCOME
+            # a 'failed' entry that is not [id, reason, ...]: an error back, no traceback
+            imp2.sock.send_multipart([wire.result(1, [], None, [[1, 2], "x"], [])])
+            h = imp2.next()
+            while h[1] != T.ERROR:
+                h = imp2.next()
+            assert h[2] == wire.MALFORMED and "failed" in h[3]
+        finally:
+            imp2.close()
+        with Client(c.client_endpoint, timeout_s=10) as cl:
+            assert cl.submit("tiny", b"after").data == b"after"
+        st = c.status()
+        assert st["counters"]["register_refused"] >= 1 and st["counters"]["exec_malformed"] >= 1
+    finally:
+        imp.close()
+    log = c.tail("serve.log", 400)
+    assert "Traceback" not in log
+
+
+def test_empty_submit_is_answered(cluster):
+    c, _ = cluster
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(c.client_endpoint)
+    try:
+        s.send(wire.submit("tiny", 0, []))
+        assert s.poll(5000), "a SUBMIT without requests got no answer"
+        h = wire.decode(s.recv_multipart()[0])
+        assert h[1] == T.ERROR and h[2] == wire.MALFORMED
+    finally:
+        ctx.destroy(0)
+
+
+def test_stop_over_tcp_ctl_is_refused():
+    with short_tmpdir("ppiped-tcpctl-") as d:
+        d = Path(d)
+        plan, profiles = tiny.write_example(d)
+        cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=1000)
+        text = cfg.read_text()
+        with socket.socket() as probe:  # a free loopback port
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        text = re.sub(r'ctl = "ipc://[^"]*"', f'ctl = "tcp://127.0.0.1:{port}"', text, count=1)
+        cfg.write_text(text)
+        c = LocalCluster(cfg, ((0, 1, 2, 3),), log_level="info")
+        try:
+            c.start()
+            assert c.ctl("stop") == {"error": "'stop' is refused on a TCP ctl endpoint (status only); "
+                                     "use an ipc:// endpoints.ctl, or ppiped-ctl over the ctl unix socket"}
+            time.sleep(0.3)
+            assert c.server.poll() is None, "the daemon stopped on a TCP stop"
+            assert "totals" in c.status()
+        finally:
+            c.stop()
