@@ -20,6 +20,7 @@ COMMANDS = [
     "ppiped.commands.demo",
     "ppiped.commands.sim",
     "ppiped.commands.sweep",
+    "ppiped.commands.keys",
 ]
 
 

@@ -32,6 +32,8 @@ import zmq
 
 from . import wire
 from .daemon.loop import Reader, send_parts
+from .errors import InputError
+from .security import Security, connect_as, load_keypair
 from .wire import Status, T
 
 Callback = Callable[[int, int, str, Any, Any], None]  # (id, status, reason, frame, meta)
@@ -88,7 +90,11 @@ class AsyncClient:
     """One DEALER connection to the scheduler; safe to use from one event loop."""
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", timeout_s: float | None = 30.0,
-                 max_ids_per_message: int = 1024) -> None:
+                 max_ids_per_message: int = 1024, key_file: str | None = None,
+                 server_key_file: str | None = None) -> None:
+        """``key_file`` (this client's ``.key_secret``) and ``server_key_file`` (the scheduler's
+        ``.key``): CURVE, as a scheduler with ``security.curve`` requires. Raises
+        :class:`ppiped.errors.InputError` when a key file cannot be read."""
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.max_ids = max_ids_per_message
@@ -97,6 +103,12 @@ class AsyncClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        if key_file or server_key_file:
+            if not (key_file and server_key_file):
+                raise InputError("CURVE needs both the client's key_file and the server_key_file")
+            sec = Security(curve=True, server=load_keypair(server_key_file, what="server key"),
+                           own=load_keypair(key_file, need_secret=True, what="client key"))
+            connect_as(self._sock, sec)
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._pending: dict[int, Callback] = {}
@@ -245,15 +257,18 @@ class AsyncClient:
 class Client:
     """Blocking client: every call runs on a private event-loop thread, so any thread may call it."""
 
-    def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", timeout_s: float | None = 30.0) -> None:
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", timeout_s: float | None = 30.0,
+                 key_file: str | None = None, server_key_file: str | None = None) -> None:
+        """As :class:`AsyncClient`."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ppiped-client", daemon=True)
         self._thread.start()
-        self._ac = self._call(self._make(endpoint, timeout_s))
+        self._ac = self._call(self._make(endpoint, timeout_s, key_file, server_key_file))
 
     @staticmethod
-    async def _make(endpoint: str, timeout_s: float | None) -> AsyncClient:
-        return AsyncClient(endpoint, timeout_s)
+    async def _make(endpoint: str, timeout_s: float | None, key_file: str | None,
+                    server_key_file: str | None) -> AsyncClient:
+        return AsyncClient(endpoint, timeout_s, key_file=key_file, server_key_file=server_key_file)
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

@@ -19,6 +19,7 @@ from ppiped.client import Client, Dropped
 from ppiped.daemon.config import load_config
 from ppiped.daemon.launch import LocalCluster, short_tmpdir, write_config
 from ppiped.executor import tiny
+from ppiped.security import Security, connect_as, keygen, load_keypair
 from ppiped.wire import T
 
 
@@ -160,3 +161,78 @@ def test_stop_over_tcp_ctl_is_refused():
             assert "totals" in c.status()
         finally:
             c.stop()
+
+
+# --- CURVE -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def curve_cluster():
+    with short_tmpdir("ppiped-curve-") as d:
+        d = Path(d)
+        keys = d / "keys"
+        for name, sub in (("server", ""), ("ex01", "executors"), ("ex23", "executors"),
+                          ("cam", "clients"), ("ops", "admins"), ("intruder", "")):
+            keygen(keys / sub, name)
+        plan, profiles = tiny.write_example(d)
+        extra = f"""[models.tiny]
+input_bytes = 0
+[security]
+curve = true
+server_key = "{keys}/server.key_secret"
+client_keys = "{keys}/clients"
+admin_keys = "{keys}/admins"
+[security.executors]
+"{keys}/executors/ex01.key" = "0-1"
+"{keys}/executors/ex23.key" = "2-3"
+"""
+        cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=1000,
+                           scheduler={"wait_guard_us": 25_000}, extra=extra)
+        c = LocalCluster(cfg, ((0, 1), (2, 3)), log_level="info", admin_key=str(keys / "admins/ops.key_secret"),
+                         executor_keys=[str(keys / "executors/ex01.key_secret"),
+                                        str(keys / "executors/ex23.key_secret")])
+        try:
+            c.start()
+            yield c, load_config(cfg), keys
+        finally:
+            c.stop()
+
+
+def test_curve_serves_keyed_clients_only(curve_cluster):
+    c, _, keys = curve_cluster
+    with Client(c.client_endpoint, timeout_s=10, key_file=str(keys / "clients/cam.key_secret"),
+                server_key_file=str(keys / "server.key")) as cl:
+        assert cl.submit("tiny", b"keyed").data == b"keyed"
+    for key in (None, keys / "intruder.key_secret"):  # no key, or a key nobody allowed
+        kw = {} if key is None else {"key_file": str(key), "server_key_file": str(keys / "server.key")}
+        with Client(c.client_endpoint, timeout_s=1.5, **kw) as cl, pytest.raises(TimeoutError):
+            cl.submit("tiny", b"anonymous")
+    assert c.status()["vgpus"]["alive"] == 4  # admin ctl over CURVE works too
+
+
+def test_curve_executor_keys_are_bound_to_their_vgpus(curve_cluster, tmp_path):
+    c, cfg, keys = curve_cluster
+    sec = Security(curve=True, server=load_keypair(keys / "server.key"),
+                   own=load_keypair(keys / "executors/ex01.key_secret", need_secret=True))
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        connect_as(s, sec)
+        s.connect(cfg.executor)
+        s.send(wire.register([2], f"ipc://{tmp_path}/x.sock", "emulate", os.getpid(), 0, 9))
+        assert s.poll(5000)
+        h = wire.decode(s.recv_multipart()[0])
+        assert h[1] == T.ERROR and h[2] == "unauthorized-vgpu" and "0-1" in h[3]
+        # a client's key does not open the executor socket at all
+        s2 = ctx.socket(zmq.DEALER)
+        s2.setsockopt(zmq.LINGER, 0)
+        connect_as(s2, sec, own=load_keypair(keys / "clients/cam.key_secret", need_secret=True))
+        s2.connect(cfg.executor)
+        s2.send(wire.register([200], f"ipc://{tmp_path}/y.sock", "emulate", os.getpid(), 0, 9))
+        assert not s2.poll(1500)
+    finally:
+        ctx.destroy(0)
+    with Client(c.client_endpoint, timeout_s=10, key_file=str(keys / "clients/cam.key_secret"),
+                server_key_file=str(keys / "server.key")) as cl:
+        assert [r.data for r in cl.submit_many("tiny", [b"a", b"b", b"c"])] == [b"a", b"b", b"c"]

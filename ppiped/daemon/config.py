@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..readfile import read_toml
+from ..security import KeyFileError, Security, load_keypair, load_public_keys
 
 BACKENDS = ("emulate", "ort", "trt", "torch")
 
@@ -91,6 +92,7 @@ class ServeConfig:
     loop_cpus: tuple[int, ...] = ()  # CPUs of the event-loop thread (empty: the process's)
     io_cpus: tuple[int, ...] = ()  # CPUs of ZeroMQ's I/O threads (empty: the process's)
     io_threads: int = 1  # ZeroMQ I/O threads
+    security: Security = field(default_factory=Security)  # [security]: CURVE keys and allow-lists
 
     def ctl_socket_path(self) -> str:
         """Where the ctl socket lives: the configured path, else systemd's RuntimeDirectory, else
@@ -283,8 +285,76 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
                               "(an integer), e.g. [executors.3]")
         cfg.executors[int(k)] = _executor_settings(per.sub(k), cfg.executor_defaults, cfg.allow_remote)
     per.done()
+    cfg.security = _security(top.sub("security"), cfg, base)
     top.done()
     return cfg
+
+
+_LOOPBACK = re.compile(r"^(ipc://|inproc://|tcp://(127\.0\.0\.1|localhost|\[::1\]):)")
+
+
+def _security(t: _Table, cfg: ServeConfig, base: Path) -> Security:
+    """[security]: CURVE on or off, the scheduler's key, and who may connect where.
+
+    CURVE is required as soon as any endpoint, a data endpoint included, is not loopback."""
+    src = t.source
+    curve = t.get("curve", False, "bool")
+    remote = [(k, ep) for k, ep in (("endpoints.client", cfg.client), ("endpoints.executor", cfg.executor),
+                                    ("endpoints.ctl", cfg.ctl),
+                                    ("executor.data_endpoint", cfg.executor_defaults.endpoint_for(0)))
+              if not _LOOPBACK.match(ep)]
+    if remote and not curve:
+        k, ep = remote[0]
+        raise ConfigError(f"{src}: {k}: {ep!r} leaves this host, so security.curve must be true "
+                          "(`ppiped keys` makes the key files and prints the config lines)")
+
+    def path(k: str) -> Path | None:
+        v = t.get(k, "", "str")
+        if not v:
+            return None
+        p = Path(os.path.expanduser(v))
+        return p if p.is_absolute() else base / p
+
+    def paths(k: str) -> list[Path]:
+        v = t.get(k, [], "any")
+        vs = [v] if isinstance(v, str) else v
+        if not isinstance(vs, list) or not all(isinstance(x, str) for x in vs):
+            raise ConfigError(f"{src}: security.{k}: expected a path or a list of paths")
+        return [Path(os.path.expanduser(x)) if os.path.isabs(os.path.expanduser(x)) else base / x
+                for x in vs]
+
+    server, own, server_pub = path("server_key"), path("executor_key"), path("server_public_key")
+    clients, admins = paths("client_keys"), paths("admin_keys")
+    ex = t.sub("executors")
+    bindings = {k: ex.get(k, "", "str") for k in list(ex.d)}
+    ex.done()
+    t.done()
+    if not curve:
+        return Security()
+    try:
+        sec = Security(curve=True)
+        if server is not None:
+            sec.server = load_keypair(server, what="security.server_key")
+        elif server_pub is not None:
+            sec.server = load_keypair(server_pub, what="security.server_public_key")
+        else:
+            raise ConfigError(f"{src}: security.server_key (scheduler host) or "
+                              "security.server_public_key (elsewhere): needed with curve = true")
+        if own is not None:
+            sec.own = load_keypair(own, need_secret=True, what="security.executor_key")
+        sec.clients = load_public_keys(clients, "security.client_keys")
+        sec.admins = load_public_keys(admins, "security.admin_keys")
+        for f, spec in bindings.items():
+            p = Path(os.path.expanduser(f))
+            key = load_keypair(p if p.is_absolute() else base / p, what=f"security.executors.{f}").public
+            try:
+                sec.executors[key] = frozenset(parse_vgpus([spec]))
+            except ConfigError as e:
+                raise ConfigError(f"{src}: security.executors.{f}: {str(e).removeprefix('--vgpu: ')}"
+                                  ) from None
+    except KeyFileError as e:
+        raise ConfigError(f"{src}: {e}") from None
+    return sec
 
 
 def _ops_tables(top: _Table, cfg: ServeConfig, base: Path) -> None:

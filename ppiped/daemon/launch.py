@@ -103,8 +103,13 @@ class LocalCluster:
 
     def __init__(self, config: Path, groups: Sequence[Sequence[int]], *, backend: str | None = None,
                  log_dir: Path | None = None, log_level: str = "warning", python: str = sys.executable,
-                 env: dict[str, str] | None = None, executor_cpus: Sequence[int] | None = None) -> None:
+                 env: dict[str, str] | None = None, executor_cpus: Sequence[int] | None = None,
+                 admin_key: str | None = None, executor_keys: Sequence[str] | None = None) -> None:
+        """``admin_key``: an admin's ``.key_secret`` for ctl when ``security.curve`` is on;
+        ``executor_keys``: one ``.key_secret`` per group (``ppiped-executor --key``)."""
         self.config = Path(config)
+        self.admin_key = admin_key
+        self.executor_keys = list(executor_keys) if executor_keys else None
         self.executor_cpus = executor_cpus
         self.groups = [list(g) for g in groups]
         self.backend = backend
@@ -118,6 +123,7 @@ class LocalCluster:
 
         cfg = load_config(self.config)
         self.client_endpoint, self.ctl_endpoint = cfg.client, cfg.ctl
+        self.security = cfg.security
 
     def _spawn(self, args: list[str], log_name: str, cpus: Sequence[int] | None = None) -> subprocess.Popen:
         log = open(self.log_dir / log_name, "ab")  # noqa: SIM115 - the child keeps it
@@ -164,6 +170,8 @@ class LocalCluster:
                 "--log-level", self.log_level]
         if self.backend:
             args += ["--backend", self.backend]
+        if self.executor_keys:
+            args += ["--key", self.executor_keys[i]]
         return self._spawn(args, f"executor-{i}.log", self.executor_cpus)
 
     def kill_executor(self, i: int, sig: int = signal.SIGKILL) -> None:
@@ -181,6 +189,10 @@ class LocalCluster:
         s = ctx.socket(zmq.REQ)
         s.setsockopt(zmq.LINGER, 0)
         try:
+            if self.security.curve and self.admin_key:
+                from ..security import connect_as, load_keypair
+
+                connect_as(s, self.security, own=load_keypair(self.admin_key, need_secret=True))
             s.connect(self.ctl_endpoint)
             s.send(json.dumps({"cmd": cmd}).encode())
             if not s.poll(int(timeout_s * 1000)):

@@ -41,6 +41,7 @@ from .. import logs, wire
 from ..core.scheduler import DROP_REASONS, Scheduler
 from ..plan import Plan
 from ..profiles import Profile
+from ..security import peer_key, serve, start_authenticator
 from ..wire import Status, T
 from . import sdnotify
 from .config import ConfigError, ServeConfig, check_endpoint, format_ranges
@@ -275,15 +276,19 @@ class Server:
                 raise ConfigError(f"{cfg.source}: {key}: CPU {', '.join(map(str, bad))} not available to "
                                   f"this process (it may run on {format_ranges(sorted(os.sched_getaffinity(0)))})")
         self.zctx = zmq_context(cfg.io_threads, cfg.io_cpus)
+        self.auth = start_authenticator(self.zctx, cfg.security)
         try:
             self.client = self._bind(zmq.ROUTER, cfg.client, "endpoints.client",
-                                     max_frame=max(cfg.max_payload_bytes, wire.MAX_HEADER_BYTES))
+                                     max_frame=max(cfg.max_payload_bytes, wire.MAX_HEADER_BYTES),
+                                     domain="client")
             self.client.setsockopt(zmq.SNDHWM, 0)
             self.client.setsockopt(zmq.RCVHWM, 0)
-            self.exe = self._bind(zmq.ROUTER, cfg.executor, "endpoints.executor", mandatory=True)
-            self.ctl = self._bind(zmq.ROUTER, cfg.ctl, "endpoints.ctl", max_frame=wire.MAX_HEADER_BYTES)
+            self.exe = self._bind(zmq.ROUTER, cfg.executor, "endpoints.executor", mandatory=True,
+                                  domain="executor")
+            self.ctl = self._bind(zmq.ROUTER, cfg.ctl, "endpoints.ctl", max_frame=wire.MAX_HEADER_BYTES,
+                                  domain="ctl")
         except ConfigError:
-            self.zctx.destroy(0)
+            self._close_zmq()
             raise
         if cfg.loop_cpus:  # after the sockets: ZeroMQ's threads keep the process's CPUs or io_cpus
             pin_this_thread(cfg.loop_cpus)
@@ -316,7 +321,7 @@ class Server:
         except (OSError, ConfigError) as e:
             self.ctl_server = None
             if self.cfg.ctl_socket:
-                self.zctx.destroy(0)
+                self._close_zmq()
                 raise ConfigError(f"{self.cfg.source}: ctl.socket: cannot listen on {path}: {e}") from None
             log.warning("ctl-socket-unavailable", path=path, error=str(e))
         if self.cfg.metrics_port:
@@ -326,16 +331,24 @@ class Server:
             except OSError as e:
                 if self.ctl_server is not None:
                     await self.ctl_server.close()
-                self.zctx.destroy(0)
+                self._close_zmq()
                 raise ConfigError(f"{self.cfg.source}: metrics.port: cannot listen on "
                                   f"{self.cfg.metrics_host}:{self.cfg.metrics_port}: {e}") from None
 
+    def _close_zmq(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
+        self.zctx.destroy(0)
+
     def _bind(self, kind: int, ep: str, key: str, mandatory: bool = False,
-              max_frame: int = -1) -> zmq.Socket:
+              max_frame: int = -1, domain: str = "") -> zmq.Socket:
         """A bound socket; ``max_frame``: ZMQ_MAXMSGSIZE, so libzmq drops a peer that sends a
-        larger frame before allocating it (the payload check after receipt comes too late)."""
+        larger frame before allocating it (the payload check after receipt comes too late);
+        ``domain``: its CURVE allow-list when ``security.curve`` is on."""
         s = self.zctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
+        serve(s, self.cfg.security, domain)
         if max_frame > 0:
             s.setsockopt(zmq.MAXMSGSIZE, max_frame + 4096)
         if mandatory:
@@ -377,7 +390,7 @@ class Server:
         for r in (self.client_reader, self.exe_reader, self.ctl_reader):
             r.close()
         self.timers.close()
-        self.zctx.destroy(0)
+        self._close_zmq()
         log.info("stopped", **self._totals())
 
     def _watchdog(self, every_s: float) -> None:
@@ -695,7 +708,7 @@ class Server:
                 if not ex.ready and not ex.rewelcome:
                     self.ready(ex)
             elif kind == T.REGISTER:
-                self.on_register(ident, h)
+                self.on_register(ident, h, peer_key(msg[1]))
             elif kind == T.BYE:
                 if ex is not None:
                     self.remove_executor(ex, "bye")
@@ -733,8 +746,18 @@ class Server:
             self.decide(now_us())
         self._kick()
 
-    def on_register(self, ident: bytes, h: list) -> None:
+    def on_register(self, ident: bytes, h: list, key: bytes | None = None) -> None:
         _, _, vgpus, endpoint, backend, pid, clock, incarnation = h
+        sec = self.cfg.security
+        if sec.curve:
+            mine = sec.executors.get(key or b"", frozenset())
+            if not set(vgpus) <= mine:
+                self.counters["register_refused"] += 1
+                self.warn_limited("register-unauthorized", vgpus=format_ranges(vgpus), pid=pid)
+                self._send_exec(ident, wire.error(
+                    "unauthorized-vgpu", f"this executor's key may serve vGPUs "
+                    f"{format_ranges(sorted(mine)) or 'none'}, not {format_ranges(vgpus)}"))
+                return
         bad = [v for v in vgpus if not 0 <= v < MAX_VGPU_ID]
         if bad or not vgpus:
             log.warning("register-refused", vgpus=vgpus, pid=pid)
@@ -1006,7 +1029,8 @@ class Server:
             cmd = req.get("cmd", "status") if isinstance(req, dict) else None
             if cmd == "status":
                 out = self.status()
-            elif cmd in ("reset-overhead", "stop") and not self.cfg.ctl.startswith("ipc://"):
+            elif cmd in ("reset-overhead", "stop") and not self.cfg.ctl.startswith("ipc://") \
+                    and not self.cfg.security.curve:
                 # Anyone who can reach a TCP port could send it; a unix socket has file permissions.
                 out = {"error": f"{cmd!r} is refused on a TCP ctl endpoint (status only); use an "
                                 "ipc:// endpoints.ctl, or ppiped-ctl over the ctl unix socket"}

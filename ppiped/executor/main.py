@@ -49,6 +49,7 @@ from ..daemon.config import (
 )
 from ..daemon.loop import NOBLOCK, Reader, Timers, now_us, send_parts
 from ..errors import UserError
+from ..security import connect_as, load_keypair, serve, start_authenticator
 from ..wire import T
 from .backends import Backend, make_backend
 
@@ -197,20 +198,27 @@ class Executor:
     async def run(self) -> int:
         self.loop = asyncio.get_running_loop()
         self.stopped = self.loop.create_future()
+        sec = self.cfg.security
+        if sec.curve and sec.own is None:
+            log.error("no-key", error="security.curve is on but security.executor_key is not set")
+            return 2
         self.zctx = zmq.Context()
+        self.auth = start_authenticator(self.zctx, sec)  # peers' FORWARDs: executor keys only
         self.ctl = self.zctx.socket(zmq.DEALER)
         self.ctl.setsockopt(zmq.LINGER, 0)
         self.ctl.setsockopt(zmq.SNDHWM, 100_000)
         self.ctl.setsockopt(zmq.IDENTITY, f"x{self.vgpus[0]}-{os.getpid()}-{self.incarnation}".encode())
+        connect_as(self.ctl, sec)
         self.ctl.connect(self.scheduler)
         self.data = self.zctx.socket(zmq.PULL)
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.setsockopt(zmq.RCVHWM, 100_000)
+        serve(self.data, sec, "data", sec.own)
         try:
             self.data.bind(self.data_endpoint)
         except zmq.ZMQError as e:
             log.error("bind-failed", endpoint=self.data_endpoint, error=str(e))
-            self.zctx.destroy(0)
+            self._close_zmq()
             return 2
         self.timers = Timers(self.loop)
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
@@ -240,8 +248,14 @@ class Executor:
         if self.prep is not None:
             self._discard(self.prep)
         await asyncio.sleep(0.05)  # let BYE leave
-        self.zctx.destroy(0)
+        self._close_zmq()
         log.info("stop", vgpus=format_ranges(self.vgpus), **self.counters)
+
+    def _close_zmq(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
+        self.zctx.destroy(0)
 
     def register(self) -> None:
         if self.registered or self.stopped.done():
@@ -607,6 +621,11 @@ class Executor:
             s.setsockopt(zmq.IMMEDIATE, 1)  # fail fast instead of queueing for a dead peer
             s.setsockopt(zmq.SNDHWM, 10_000)
             try:
+                if self.cfg.security.curve:
+                    key = self.cfg.security.vgpu_key(vgpu)
+                    if key is None:
+                        raise zmq.ZMQError(msg=f"no executor key is bound to vGPU {vgpu}")
+                    connect_as(s, self.cfg.security, key)
                 s.connect(ep)
             except zmq.ZMQError as e:
                 s.close(0)
@@ -646,6 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--backend", choices=BACKENDS, help="override the config's backend")
     ap.add_argument("--data-endpoint", help="endpoint to bind for feature maps (default from the config)")
     ap.add_argument("--scheduler", help="scheduler executor endpoint (default: endpoints.executor)")
+    ap.add_argument("--key", help="this executor's CURVE .key_secret (default: security.executor_key)")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     logs.setup(args.log_level)
@@ -656,6 +676,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_endpoint(args.data_endpoint, "--data-endpoint", "flags", cfg.allow_remote)
         if args.scheduler:
             check_endpoint(args.scheduler, "--scheduler", "flags", cfg.allow_remote)
+        if args.key:
+            cfg.security.own = load_keypair(args.key, need_secret=True, what="--key")
         exe = Executor(cfg, vgpus, args.backend, args.data_endpoint, args.scheduler)
     except UserError as e:
         print(f"ppiped-executor: error: {e}", file=sys.stderr)
