@@ -239,7 +239,9 @@ def format_demo(r: dict[str, Any]) -> str:
     lines = [f"plan: {r['plan']}",
              f"{r['vgpus']} emulated vGPUs in {r['executor_processes']} executor processes; time scale "
              f"x{r['time_scale']:g} (latencies and SLOs x{r['time_scale']:g}, rates /{r['time_scale']:g}); "
-             f"load factor {r['load_factor']}, {r['arrivals']} arrivals, {r['duration_s']:g} s", ""]
+             f"load factor {r['load_factor']}, {r['arrivals']} arrivals, {r['duration_s']:g} s",
+             "sockets: ipc:// on this host only, CURVE off (a deployment beyond loopback needs "
+             "[security] curve = true; see `ppiped keys`)", ""]
     rows = [("model", "offered/s", "sent", "attainment", "drops", "rejects", "p50 ms", "p99 ms", "SLO ms",
              "batch")]
     for m in r["models"]:
