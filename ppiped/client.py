@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -82,6 +83,10 @@ class Result:
         return f"Result({len(self.data)} bytes, meta={self.meta})"
 
 
+# A scheduler silent this long (no PONG while requests are pending) is taken for gone.
+UNREACHABLE_S = 2.0
+
+
 def error_for(status: int, reason: str, model: str = "") -> RequestError:
     return Rejected(reason, model) if status == Status.REJECTED else Dropped(reason, model)
 
@@ -91,10 +96,13 @@ class AsyncClient:
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", timeout_s: float | None = 30.0,
                  max_ids_per_message: int = 1024, key_file: str | None = None,
-                 server_key_file: str | None = None) -> None:
+                 server_key_file: str | None = None, watch_s: float | None = 0.25) -> None:
         """``key_file`` (this client's ``.key_secret``) and ``server_key_file`` (the scheduler's
-        ``.key``): CURVE, as a scheduler with ``security.curve`` requires. Raises
-        :class:`ppiped.errors.InputError` when a key file cannot be read."""
+        ``.key``): CURVE, as a scheduler with ``security.curve`` requires. ``watch_s``: while
+        requests are pending, PING this often; a scheduler that answers with another epoch has
+        restarted and lost them (each ends ``Dropped('daemon-restarted')``), and one silent for
+        ``UNREACHABLE_S`` ends them ``Dropped('daemon-unreachable')``: never a silent loss.
+        Raises :class:`ppiped.errors.InputError` when a key file cannot be read."""
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.max_ids = max_ids_per_message
@@ -118,6 +126,11 @@ class AsyncClient:
         self._reader: Reader | None = None
         self._pings: dict[int, asyncio.Future] = {}
         self.errors: list[tuple[str, str]] = []  # ERROR messages not tied to a request
+        self.watch_s = watch_s
+        self.epoch: int | None = None  # the scheduler's, from its PONGs
+        self._heard = 0.0  # monotonic time of the last PONG (or of the first pending request)
+        self._watch_handle: asyncio.TimerHandle | None = None
+        self._watch_tokens = itertools.count(-1, -1)  # watch pings: negative tokens
 
     @property
     def pending(self) -> int:
@@ -128,7 +141,30 @@ class AsyncClient:
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
             self._reader = Reader(loop, self._sock, self._on_msg)
+            if self.watch_s:
+                self._heard = time.monotonic()
+                self._watch_handle = loop.call_later(self.watch_s, self._watch)
         return loop
+
+    def _watch(self) -> None:
+        """Ping while requests are pending; end them all if the scheduler restarted or went silent."""
+        now = time.monotonic()
+        if self._pending:
+            if now - self._heard > max(UNREACHABLE_S, 4 * self.watch_s):
+                self._end_all(wire.DAEMON_UNREACHABLE)
+                self._heard = now
+            else:
+                self._sock.send(wire.ping(next(self._watch_tokens)))
+                if self._reader is not None:
+                    self._reader.kick()
+        else:
+            self._heard = now
+        self._watch_handle = self._loop.call_later(self.watch_s, self._watch)
+
+    def _end_all(self, reason: str) -> None:
+        pending, self._pending = self._pending, {}
+        for rid, cb in pending.items():
+            cb(rid, Status.DROPPED, reason, None, None)
 
     # --- submitting ---------------------------------------------------------------------------
 
@@ -235,6 +271,12 @@ class AsyncClient:
                     if cb is not None:
                         cb(rid, status, reason, None, None)
         elif t == T.PONG:
+            self._heard = time.monotonic()
+            epoch = h[3].get("epoch")
+            if epoch is not None:
+                if self.epoch is not None and epoch != self.epoch:
+                    self._end_all(wire.DAEMON_RESTARTED)  # the new scheduler never saw them
+                self.epoch = epoch
             fut = self._pings.get(h[2])
             if fut is not None and not fut.done():
                 fut.set_result(h[3])
@@ -242,6 +284,8 @@ class AsyncClient:
             self.errors.append((h[2], h[3]))
 
     async def close(self) -> None:
+        if self._watch_handle is not None:
+            self._watch_handle.cancel()
         if self._reader is not None:
             self._reader.close()
         self._sock.close(0)

@@ -73,6 +73,8 @@ MALFORMED = "malformed"
 VERSION_MISMATCH = "version"
 MODEL_REMOVED = "model-removed"  # a replan removed the model while the request was queued
 UNREGISTERED = "unregistered"  # an executor spoke before registering (scheduler restarted): re-register
+DAEMON_RESTARTED = "daemon-restarted"  # client side: the scheduler restarted and lost the request
+DAEMON_UNREACHABLE = "daemon-unreachable"  # client side: the scheduler stopped answering pings
 VGPU_TAKEN = "vgpu-taken"  # another live executor serves that vGPU: retry (it may be about to die)
 
 

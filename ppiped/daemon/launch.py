@@ -143,8 +143,7 @@ class LocalCluster:
         """Start everything and wait until every vGPU is ready (the first start may JIT-compile).
         On any failure every process started so far is stopped before the error propagates."""
         try:
-            self.server = self._spawn([self.python, "-m", "ppiped.cli", "serve", "--config",
-                                       str(self.config), "--log-level", self.log_level], "serve.log")
+            self.restart_server()
             for i in range(len(self.groups)):
                 self.executors.append(self._start_executor(i))
             total = sum(len(g) for g in self.groups)
@@ -163,6 +162,17 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+
+    def kill_server(self, sig: int = signal.SIGKILL) -> None:
+        if self.server is not None and self.server.poll() is None:
+            self.server.send_signal(sig)
+            self.server.wait(timeout=10)
+
+    def restart_server(self) -> None:
+        """Kill the scheduler (SIGKILL) and start it again; executors re-register by themselves."""
+        self.kill_server()
+        self.server = self._spawn([self.python, "-m", "ppiped.cli", "serve", "--config",
+                                   str(self.config), "--log-level", self.log_level], "serve.log")
 
     def _start_executor(self, i: int) -> subprocess.Popen:
         vg = ",".join(map(str, self.groups[i]))

@@ -197,6 +197,8 @@ class Server:
         self._dirty_decide = False
         self._burst_start = 0
         self._warned: dict[str, int] = {}  # warning kind -> µs when last logged (rate limit)
+        # Differs on every start: clients that see it change know their pending requests are gone.
+        self.epoch = int.from_bytes(os.urandom(6), "big")
 
     def _model_limits(self) -> None:
         """Per-model SLO and input size: the config's [models.NAME] overrides, else the plan's SLO."""
@@ -421,7 +423,7 @@ class Server:
         if kind == T.SUBMIT:
             self.on_submit(ident, h, msg, t)
         elif kind == T.PING:
-            info = {"version": wire.VERSION, "models": {m: {"slo_ms": self.slo_us[i] / 1000,
+            info = {"version": wire.VERSION, "epoch": self.epoch, "models": {m: {"slo_ms": self.slo_us[i] / 1000,
                                                             "input_bytes": self.input_bytes[i]}
                                                         for i, m in enumerate(self.model_names)},
                     "max_payload_bytes": self.cfg.max_payload_bytes,
