@@ -83,14 +83,18 @@ def ingest(args: argparse.Namespace) -> dict:
         split = cpu_split() if args.pin else None
         sched_cpus, other_cpus = split or (None, None)
         real = args.backend != "emulate"  # real inference: real frames, partitions from parts/
+        keys = _curve_keys(d, 2 * args.vgpus) if args.curve else {}
         cfg = write_config(d, plan, profiles, heartbeat_ms=100, timeout_ms=2000, threads=split,
-                           backend=args.backend, partitions=str(d / "parts" / "{model}" / "{start}-{end}.onnx"))
+                           backend=args.backend, partitions=str(d / "parts" / "{model}" / "{start}-{end}.onnx"),
+                           extra=keys.get("config", ""))
         n = 2 * args.vgpus
         groups = split_groups(n, args.executor_processes)
         frame_bytes = 4 * int(np.prod(tiny.INPUT_SHAPE)) if real else 64  # float32 input
-        with LocalCluster(cfg, groups, executor_cpus=other_cpus) as c, running_on(other_cpus):
+        ck = {"key_file": keys.get("client"), "server_key_file": keys.get("server")}
+        with LocalCluster(cfg, groups, executor_cpus=other_cpus, admin_key=keys.get("admin")) as c, \
+                running_on(other_cpus):
             # warm the path (first dispatches, socket connections), then measure a clean window
-            asyncio.run(run_load(c.client_endpoint, {"tiny": 2000.0}, 1.0, frame_bytes=frame_bytes))
+            asyncio.run(run_load(c.client_endpoint, {"tiny": 2000.0}, 1.0, frame_bytes=frame_bytes, **ck))
             c.ctl("reset-overhead")
             before = c.status()
             t0 = time.monotonic()
@@ -101,7 +105,7 @@ def ingest(args: argparse.Namespace) -> dict:
             cpu0 = {k: _cpu_s(*p) for k, p in pids.items()}
             steal0 = _steal_jiffies()
             r = uvloop.run(run_load(c.client_endpoint, {"tiny": args.rate}, args.duration, frame_bytes=frame_bytes,
-                                    seed=args.seed, tick_us=args.tick_us))
+                                    seed=args.seed, tick_us=args.tick_us, **ck))
             cpu = {k: round((_cpu_s(*p) - cpu0[k]) / args.duration, 3) for k, p in pids.items()}
             steal = (_steal_jiffies() - steal0) / os.sysconf("SC_CLK_TCK")
             wall = time.monotonic() - t0
@@ -110,7 +114,8 @@ def ingest(args: argparse.Namespace) -> dict:
         ok = after["models"]["tiny"]["ok"] - before["models"]["tiny"]["ok"]
         ov = after["overhead_us"]
         out = {
-            "bench": "ingest", "backend": args.backend, "offered_rps": args.rate, "duration_s": args.duration,
+            "bench": "ingest", "backend": args.backend, "curve": args.curve, "offered_rps": args.rate,
+            "duration_s": args.duration,
             "attainment": tot["attainment"],
             "sent": tot["sent"], "answered_ok": tot["ok"], "dropped": tot["dropped"],
             "rejected": tot["rejected"], "no_reply": tot["no_reply"],
@@ -128,6 +133,21 @@ def ingest(args: argparse.Namespace) -> dict:
         }
         emit(**out)
         return out
+
+
+def _curve_keys(d: Path, n_vgpus: int) -> dict[str, str]:
+    """Keypairs for a CURVE run (scheduler, one executor key for every vGPU, a client, an admin)
+    and the [security] config lines."""
+    from ppiped.security import keygen
+
+    k = d / "keys"
+    for name in ("server", "executor", "client", "admin"):
+        keygen(k, name)
+    config = (f'[security]\ncurve = true\nserver_key = "{k}/server.key_secret"\n'
+              f'executor_key = "{k}/executor.key_secret"\nclient_keys = "{k}/client.key"\n'
+              f'admin_keys = "{k}/admin.key"\n[security.executors]\n"{k}/executor.key" = "0-{n_vgpus - 1}"\n')
+    return {"config": config, "server": str(k / "server.key"), "client": str(k / "client.key_secret"),
+            "admin": str(k / "admin.key_secret")}
 
 
 def recovery(args: argparse.Namespace) -> dict:
@@ -194,6 +214,8 @@ def main() -> int:
     ap.add_argument("--kill-at", type=float, default=2.0)
     ap.add_argument("--window", type=float, default=0.25, help="recovery: attainment window (s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--curve", action="store_true",
+                    help="CURVE on every socket (keys made in the run's temp dir): what encryption costs")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="ingest: let the scheduler share every CPU with the executors and load generator")
     args = ap.parse_args()

@@ -22,6 +22,7 @@ thousands of requests per second.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -83,6 +84,8 @@ class Result:
         return f"Result({len(self.data)} bytes, meta={self.meta})"
 
 
+# Retry of sends a DEALER could not take (no scheduler connected).
+_RETRY_S = 0.005
 # A scheduler silent this long (no PONG while requests are pending) is taken for gone.
 UNREACHABLE_S = 2.0
 
@@ -154,7 +157,8 @@ class AsyncClient:
                 self._end_all(wire.DAEMON_UNREACHABLE)
                 self._heard = now
             else:
-                self._sock.send(wire.ping(next(self._watch_tokens)))
+                with contextlib.suppress(zmq.Again):
+                    self._sock.send(wire.ping(next(self._watch_tokens)), zmq.NOBLOCK)
                 if self._reader is not None:
                     self._reader.kick()
         else:
@@ -185,14 +189,28 @@ class AsyncClient:
         return rid
 
     def flush(self) -> None:
-        """Send everything queued: one multipart per (model, SLO), at most ``max_ids`` requests each."""
+        """Send everything queued: one multipart per (model, SLO), at most ``max_ids`` requests each.
+
+        Never blocks the event loop: while the scheduler is unreachable (down, or refusing this
+        client's CURVE key) a DEALER cannot take messages; what is left is retried shortly, and
+        the requests' timeouts and the watcher still run."""
         self._flush_scheduled = False
         out, self._out = self._out, {}
         sock = self._sock
         for (model, slo_us), (ids, frames) in out.items():
             for i in range(0, len(ids), self.max_ids):
                 chunk = ids[i:i + self.max_ids]
-                send_parts(sock, [wire.submit(model, slo_us, chunk), *frames[i:i + self.max_ids]])
+                try:
+                    send_parts(sock, [wire.submit(model, slo_us, chunk), *frames[i:i + self.max_ids]],
+                               zmq.NOBLOCK)
+                except zmq.Again:
+                    q = self._out.setdefault((model, slo_us), ([], []))
+                    q[0].extend(ids[i:])
+                    q[1].extend(frames[i:])
+                    break
+        if self._out and not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_later(_RETRY_S, self.flush)
         if self._reader is not None:
             self._reader.kick()
 
@@ -236,7 +254,8 @@ class AsyncClient:
         token = next(self._ids)
         fut = loop.create_future()
         self._pings[token] = fut
-        self._sock.send(wire.ping(token))
+        with contextlib.suppress(zmq.Again):  # unreachable: no answer, and the wait times out
+            self._sock.send(wire.ping(token), zmq.NOBLOCK)
         self._reader.kick()
         try:
             return await asyncio.wait_for(fut, timeout_s)

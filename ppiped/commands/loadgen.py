@@ -61,16 +61,19 @@ class ModelLoad:
 async def run_load(endpoint: str, rates: dict[str, float], duration_s: float, *, kind: str = "poisson",
                    seed: int = 0, frame_bytes: int | None = None, slo_ms: dict[str, float] | None = None,
                    grace_s: float = 2.0, check_echo: bool = False, cv: float = 4.0,
-                   on_tick: Any = None, keep_samples: bool = False, tick_us: int = 250) -> dict[str, Any]:
+                   on_tick: Any = None, keep_samples: bool = False, tick_us: int = 250,
+                   key_file: str | None = None, server_key_file: str | None = None) -> dict[str, Any]:
     """Offer ``rates`` (req/s per model) for ``duration_s``; return per-model and total figures.
 
     ``keep_samples``: also return ``samples``, per request (send time in s from the start,
     attained 0/1), for time series such as recovery after a failure. ``tick_us``: the sender wakes
     at most this often and sends everything due in one message per model (arrivals move by less
-    than a tick; latency counts from the actual send)."""
+    than a tick; latency counts from the actual send). ``key_file``/``server_key_file``: CURVE,
+    as :class:`ppiped.client.AsyncClient` takes them."""
     models = list(rates)
     trace = generate(kind, [rates[m] for m in models], duration_s, seed, cv=cv)
-    async with AsyncClient(endpoint, timeout_s=None) as client:
+    async with AsyncClient(endpoint, timeout_s=None, key_file=key_file,
+                           server_key_file=server_key_file) as client:
         info = await client.info(timeout_s=10.0)
         served = info.get("models", {})
         for m in models:
