@@ -12,6 +12,7 @@ import pytest
 from ppiped import logs, wire
 from ppiped.client import Dropped, Rejected, Result, error_for
 from ppiped.daemon.config import ConfigError, config_from_dict, format_ranges, parse_vgpus
+from ppiped.security import keygen
 from ppiped.wire import ProtocolError, Status, T
 
 
@@ -91,6 +92,9 @@ BASE = {"plan": "p.json", "profiles": "profiles"}
     ({"bogus": 1}, "top level: unknown key(s) bogus"),
     ({"endpoints": {"client": "tcp://0.0.0.0:5555"}}, "endpoints.client: 'tcp://0.0.0.0:5555' is not"),
     ({"endpoints": {"client": "tcp://10.0.0.1:5555"}}, "endpoints.client"),
+    ({"security": {"curve": True}}, "security.server_key (scheduler host) or security.server_public_key"),
+    ({"security": {"curve": True, "server_key": "/nonexistent/s.key_secret"}}, "security.server_key: cannot read"),
+    ({"security": {"curv": True}}, "security: unknown key(s) curv"),
     ({"endpoints": {"executor": 5}}, "endpoints.executor: expected a string"),
     ({"limits": {"max_payload_bytes": 0}}, "limits.max_payload_bytes: expected an integer >= 1"),
     ({"limits": {"max_pending": "many"}}, "limits.max_pending"),
@@ -122,8 +126,13 @@ def test_config_defaults_overrides_and_templates(tmp_path):
     assert cfg.executor_settings(2).endpoint_for(2) == "ipc:///tmp/x-2.sock"
     p = cfg.partition_file(cfg.executor_settings(0), model="m", start=0, end=4)
     assert p == tmp_path / "parts" / "m" / "0-4.onnx"
-    remote = config_from_dict({**BASE, "endpoints": {"allow_remote": True, "client": "tcp://10.0.0.1:5555"}})
-    assert remote.client == "tcp://10.0.0.1:5555"
+    with pytest.raises(ConfigError, match="leaves this host, so security.curve must be true"):
+        config_from_dict({**BASE, "endpoints": {"allow_remote": True, "client": "tcp://10.0.0.1:5555"}})
+    keys = tmp_path / "keys"
+    keygen(keys, "server")
+    remote = config_from_dict({**BASE, "endpoints": {"allow_remote": True, "client": "tcp://10.0.0.1:5555"},
+                               "security": {"curve": True, "server_key": str(keys / "server.key_secret")}})
+    assert remote.client == "tcp://10.0.0.1:5555" and remote.security.curve
 
 
 def test_the_shipped_example_config_is_valid():

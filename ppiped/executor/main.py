@@ -533,7 +533,10 @@ class Executor:
             if h[1] != T.FORWARD:
                 raise wire.ProtocolError(wire.MALFORMED, f"unexpected {T(h[1]).name} on the data socket")
             _, _, batch, path, starts, hop, ids, meta = h
-            wire.expect_frames(h, len(msg) - 1, len(ids))
+            if meta is None:  # per-request frames; with a tensor spec, the batch's feature map(s)
+                wire.expect_frames(h, len(msg) - 1, len(ids))
+            elif len(msg) < 2:
+                raise wire.ProtocolError(wire.MALFORMED, "FORWARD with a tensor spec carries no frame")
             if hop < 1:
                 raise wire.ProtocolError(wire.MALFORMED, "FORWARD.hop: hop 0 comes only from the scheduler")
             self.accept(Job(batch, path, starts, hop, ids, msg[1:], meta, now_us(), next(self.seq)))
