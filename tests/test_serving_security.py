@@ -22,7 +22,7 @@ from ppiped.daemon.config import load_config
 from ppiped.daemon.launch import LocalCluster, short_tmpdir, write_config
 from ppiped.executor import tiny
 from ppiped.security import Security, connect_as, keygen, load_keypair
-from ppiped.wire import T
+from ppiped.wire import Status, T
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +138,10 @@ def test_empty_submit_is_answered(cluster):
         assert s.poll(5000), "a SUBMIT without requests got no answer"
         h = wire.decode(s.recv_multipart()[0])
         assert h[1] == T.ERROR and h[2] == wire.MALFORMED
+        s.send_multipart([wire.submit("tiny", 3_600_000_000, [5]), b"x"])  # an hour's SLO
+        assert s.poll(5000)
+        h = wire.decode(s.recv_multipart()[0])
+        assert h[1] == T.REPLY and h[3] == Status.REJECTED and "max_slo_ms" in h[5]
     finally:
         ctx.destroy(0)
 

@@ -462,6 +462,11 @@ class Server:
             self._reject(ident, ids, wire.SHUTDOWN, st, "draining" if self.draining else "")
             return
         slo = slo_us or self.slo_us[m]
+        if slo > self.cfg.max_slo_ms * 1000:
+            self.counters["malformed"] += 1
+            self._reject(ident, ids, wire.MALFORMED, st, f"SLO {slo / 1000:g} ms is above "
+                         f"limits.max_slo_ms = {self.cfg.max_slo_ms:g}")
+            return
         deadline = t + slo
         limit = self.cfg.max_payload_bytes
         want = self.input_bytes[m]
