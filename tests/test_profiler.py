@@ -310,3 +310,51 @@ def test_parsers():
         parse_splits("0,1")
     with pytest.raises(InputError):
         parse_shape("3xAx4")
+
+
+def _weights_as_constant_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same model with every initializer a Constant node just before its first reader, as
+    some frameworks export weights."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    inits = {t.name: t for t in g.initializer}
+    nodes, placed = [], set()
+    for n in g.node:
+        for t in n.input:
+            if t in inits and t not in placed:
+                nodes.append(helper.make_node("Constant", [], [t], value=inits[t]))
+                placed.add(t)
+        nodes.append(n)
+    del g.initializer[:]
+    del g.node[:]
+    g.node.extend(nodes)
+    keep = [i for i in g.input if i.name not in inits]
+    del g.input[:]
+    g.input.extend(keep)
+    return m
+
+
+def test_constant_node_weights_are_not_layers(tiny, tmp_path):
+    plain = analyze(onnx.load(str(tiny)))
+    const = _weights_as_constant_nodes(onnx.load(str(tiny)))
+    assert sum(n.op_type == "Constant" for n in const.graph.node) > 10
+    g = analyze(const)
+    assert [c.tensor for c in g.cuts] == [c.tensor for c in plain.cuts]
+    assert [la.op for la in g.layers] == [la.op for la in plain.layers]
+    units = units_of(g)
+    costs = [sum(la.flops for la in g.layers[s:e]) for s, e in units]
+    ranges, start = [], 0
+    for e in [*choose_cuts(costs, 4), len(units) - 1]:
+        ranges.append((units[start][0], units[e][1]))
+        start = e + 1
+    blocks = make_blocks(g, ranges)
+    ex = Exporter(g.model, blocks)
+    paths = []
+    for b in blocks:
+        p = tmp_path / f"c{b.index}.onnx"
+        onnx.save(ex.partition(b.index, b.index + 1), str(p))
+        paths.append(str(p))
+    whole = tmp_path / "const-whole.onnx"
+    onnx.save(const, str(whole))
+    assert chain_error(str(whole), paths) <= 1e-2

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, shape_inference
+from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from ..errors import InputError
 
@@ -173,6 +173,39 @@ def fix_batch_axis(model: onnx.ModelProto, input_shape: tuple[int, ...] | None =
     return m
 
 
+def fold_constant_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Turn ``Constant`` nodes into initializers, in place: exporters of some frameworks store
+    every weight that way, and a weight must never look like a layer (a cut point of its own,
+    an empty block) or be left behind by a block that needs it."""
+    g = model.graph
+    keep = []
+    for n in g.node:
+        if n.op_type != "Constant" or n.domain not in ("", "ai.onnx") or len(n.output) != 1:
+            keep.append(n)
+            continue
+        a = {x.name: x for x in n.attribute}
+        if "value" in a:
+            t = onnx.TensorProto()
+            t.CopyFrom(a["value"].t)
+        elif "value_float" in a:
+            t = numpy_helper.from_array(np.array(a["value_float"].f, dtype=np.float32))
+        elif "value_floats" in a:
+            t = numpy_helper.from_array(np.array(list(a["value_floats"].floats), dtype=np.float32))
+        elif "value_int" in a:
+            t = numpy_helper.from_array(np.array(a["value_int"].i, dtype=np.int64))
+        elif "value_ints" in a:
+            t = numpy_helper.from_array(np.array(list(a["value_ints"].ints), dtype=np.int64))
+        else:  # sparse or string constants: left as nodes
+            keep.append(n)
+            continue
+        t.name = n.output[0]
+        g.initializer.append(t)
+    if len(keep) != len(g.node):
+        del g.node[:]
+        g.node.extend(keep)
+    return model
+
+
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
         return shape_inference.infer_shapes(model, data_prop=True)
@@ -222,7 +255,7 @@ def _layer_cost(layer: Layer, shapes: dict[str, tuple[int, ...]], consts: set[st
 def analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None) -> ModelGraph:
     """Fix the batch axis, infer shapes, list layers and the valid cuts between them."""
     _check_ops(model.graph)
-    m = _infer(fix_batch_axis(model, input_shape))
+    m = _infer(fold_constant_nodes(fix_batch_axis(model, input_shape)))
     g = m.graph
     inits = {t.name: t for t in g.initializer}
     inp = next(i for i in g.input if i.name not in inits)
@@ -309,6 +342,8 @@ def _valid_cuts(g: onnx.GraphProto, consts: set[str], shapes: dict[str, tuple[in
     for k in range(n - 1):  # cut between node k and node k + 1
         live.update(starts.get(k, []))
         live.difference_update(ends.get(k, []))
+        if all(t in consts for t in g.node[k].output if t):
+            continue  # after a node computing constants only: the same cut as before it
         if len(live) == 1:
             t = next(iter(live))
             cuts.append(Cut(k, t, _numel(shapes.get(t, (1,))), dtypes.get(t, TensorProto.FLOAT)))
