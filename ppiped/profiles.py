@@ -51,6 +51,19 @@ class Profile:
     def gpus(self) -> list[str]:
         return list(self.latency)
 
+    def input_spec(self) -> dict[str, Any] | None:
+        """The model input as profiled (``{"name", "shape", "dtype", "bytes"}``, shape without
+        the batch axis), or None when the profile does not record it (estimate-only profiles)."""
+        spec = self.extra.get("input")
+        if not isinstance(spec, dict):
+            return None
+        shape, dtype = spec.get("shape"), spec.get("dtype")
+        try:
+            n = int(np.prod([int(d) for d in shape])) * np.dtype(dtype).itemsize
+        except (TypeError, ValueError):
+            return None
+        return {"name": spec.get("name"), "shape": list(shape), "dtype": str(dtype), "bytes": n}
+
     def splits(self, gpu: str) -> list[int]:
         return sorted(self.latency.get(gpu, {}))
 

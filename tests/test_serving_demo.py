@@ -121,6 +121,8 @@ def test_example_cnn_served_by_ort_partitions_cut_from_the_profile():
         shape = info["input"]["shape"]
         x = np.random.default_rng(2).standard_normal((4, *shape)).astype(np.float32)  # two full batches
         with LocalCluster(cfg, [[0], [1]]) as c, Client(c.client_endpoint, timeout_s=60) as cl:
+            m = cl.info()["models"]["example"]  # clients learn the input the profile recorded
+            assert m["input"]["shape"] == list(shape) and m["input_bytes"] == x[0].nbytes
             out = cl.submit_many("example", [xi.tobytes() for xi in x])
         sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
         want = sess.run(None, {sess.get_inputs()[0].name: x})[0]

@@ -204,11 +204,14 @@ class Server:
         """Per-model SLO and input size: the config's [models.NAME] overrides, else the plan's SLO."""
         lay = self.layout
         self.slo_us = []
-        self.input_bytes = []
+        self.input_bytes = []  # checked at admission (0: not checked)
+        self.input_specs: list[dict | None] = []  # what clients are told to send
         for i, m in enumerate(self.model_names):
             ms = self.cfg.models.get(m)
             self.slo_us.append(int(ms.slo_ms * 1000) if ms and ms.slo_ms else int(lay.slo_us[i]))
             self.input_bytes.append(ms.input_bytes if ms else 0)
+            prof = self.profiles.get(m)
+            self.input_specs.append(prof.input_spec() if prof is not None else None)
 
     def install_plan(self, plan: Plan, core: Scheduler) -> None:
         """Make ``plan`` (served by ``core``) the one in force; executors come back as they re-register.
@@ -423,9 +426,8 @@ class Server:
         if kind == T.SUBMIT:
             self.on_submit(ident, h, msg, t)
         elif kind == T.PING:
-            info = {"version": wire.VERSION, "epoch": self.epoch, "models": {m: {"slo_ms": self.slo_us[i] / 1000,
-                                                            "input_bytes": self.input_bytes[i]}
-                                                        for i, m in enumerate(self.model_names)},
+            info = {"version": wire.VERSION, "epoch": self.epoch,
+                    "models": {m: self._model_info(i) for i, m in enumerate(self.model_names)},
                     "max_payload_bytes": self.cfg.max_payload_bytes,
                     "max_ids_per_message": self.cfg.max_ids_per_message,
                     "vgpus_alive": self.alive_vgpus()}
@@ -434,6 +436,14 @@ class Server:
             self.counters["malformed"] += 1
             send_parts(self.client, [ident, wire.error(wire.MALFORMED,
                                                           f"a client may not send {T(kind).name}")])
+
+    def _model_info(self, i: int) -> dict:
+        """What a client needs to send model ``i`` a valid frame: its SLO and input (bytes from
+        the config's check, else from the profile; shape and dtype as profiled)."""
+        spec = self.input_specs[i]
+        return {"slo_ms": self.slo_us[i] / 1000,
+                "input_bytes": self.input_bytes[i] or (spec["bytes"] if spec else 0),
+                "input": spec}
 
     def on_submit(self, ident: bytes, h: list, msg: list, t: int) -> None:
         _, _, model, slo_us, ids = h
