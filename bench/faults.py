@@ -1,0 +1,221 @@
+"""Attacks and faults against a live daemon with emulated executors, under a steady legit load.
+
+    .venv/bin/python bench/faults.py [--rate 2000] [--only NAME,...]
+
+One JSON line per case, then a summary line; exit 1 when a case misses its target:
+
+- ``forged-results``: a process registers a spare vGPU id and sends RESULTs for every batch id
+  the legit load may be using; target: 0 forged answers reach the client.
+- ``tcp-ctl-stop``: ``{"cmd": "stop"}`` on a TCP ctl endpoint without CURVE; target: refused,
+  daemon still up.
+- ``oversize-payloads``: 10 parallel clients each send a 100 MB frame; target: daemon RSS grows
+  by at most 64 MB, legit attainment stays >= 99 %.
+- ``daemon-restart``: ``kill -9`` of the scheduler and a restart while requests are pending;
+  target: every pending request ends with an explicit reason, none silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+from ppiped import wire
+from ppiped.client import AsyncClient, Dropped
+from ppiped.daemon.config import load_config
+from ppiped.daemon.launch import LocalCluster, short_tmpdir, write_config
+from ppiped.executor import tiny
+
+CASES = ("forged-results", "tcp-ctl-stop", "oversize-payloads", "daemon-restart")
+
+
+def emit(**kw) -> dict:
+    print(json.dumps(kw), flush=True)
+    return kw
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _cluster(d: Path, tcp_ctl: bool = False) -> LocalCluster:
+    plan, profiles = tiny.write_example(d, vgpus=(4, 4))  # 8 vGPUs, planned for 3,048 req/s
+    cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=1000,
+                       extra="[models.tiny]\ninput_bytes = 0\n")
+    if tcp_ctl:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        cfg.write_text(re.sub(r'ctl = "ipc://[^"]*"', f'ctl = "tcp://127.0.0.1:{port}"', cfg.read_text(), count=1))
+    return LocalCluster(cfg, ((0, 1, 4, 5), (2, 3, 6, 7)), log_level="warning")
+
+
+class _Load:
+    """Legit load from a process of its own (``ppiped loadgen``), so the attack's threads in
+    this process never slow the client that measures attainment."""
+
+    def __init__(self, c: LocalCluster, rate: float, seconds: float) -> None:
+        self.p = subprocess.Popen([sys.executable, "-m", "ppiped.cli", "loadgen", "--endpoint", c.client_endpoint,
+                                   "--rate", f"tiny={rate}", "--duration", str(seconds), "--frame-bytes", "64",
+                                   "--check-echo", "--json"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.seconds = seconds
+
+    def result(self) -> dict:
+        out, _ = self.p.communicate(timeout=self.seconds + 60)
+        try:
+            return json.loads(out.strip().splitlines()[-1])["total"]
+        except (IndexError, json.JSONDecodeError, KeyError):
+            return {"attainment": 0.0, "no_reply": -1, "bad_echo": -1}
+
+
+def forged_results(args) -> dict:
+    with short_tmpdir("ppiped-faults-") as d, _cluster(Path(d)) as c:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(load_config(c.config).executor)
+        s.send(wire.register([500], f"ipc://{d}/forger.sock", "emulate", os.getpid(), 0, 1))
+        assert s.poll(5000)
+        s.recv_multipart()
+        load = _Load(c, args.rate, args.seconds)
+        time.sleep(0.5)  # the load is running
+        sent = 0
+        end = time.monotonic() + args.seconds
+        while time.monotonic() < end:
+            top = c.status()["totals"]["accepted"]
+            for bid in range(max(1, top - 200), top + 200):  # batches of ~1 request at this load
+                s.send_multipart([wire.result(bid, list(range(bid, bid + 4)), None, [], []), *[b"FORGED"] * 4])
+                sent += 1
+            time.sleep(0.005)
+        ctx.destroy(0)
+        load = load.result()
+        st = c.status()
+        # check_echo: a reply whose payload is not the request's own frame is counted as bad
+        wrong = load.get("bad_echo", 0)
+        return emit(case="forged-results", forged_sent=sent, forged_accepted=wrong,
+                    refused=st["counters"].get("foreign_results", 0) + st["counters"].get("late_results", 0),
+                    legit_attainment=load.get("attainment"), legit_no_reply=load.get("no_reply"),
+                    ok=wrong == 0 and load.get("no_reply", 1) == 0)
+
+
+def tcp_ctl_stop(args) -> dict:
+    with short_tmpdir("ppiped-faults-") as d, _cluster(Path(d), tcp_ctl=True) as c:
+        r = c.ctl("stop")
+        time.sleep(0.3)
+        alive = c.server.poll() is None
+        return emit(case="tcp-ctl-stop", answer=r, daemon_alive=alive,
+                    ok=alive and isinstance(r, dict) and "error" in r)
+
+
+def oversize_payloads(args) -> dict:
+    with short_tmpdir("ppiped-faults-") as d, _cluster(Path(d)) as c:
+        rss0 = _rss_mb(c.server.pid)
+        load = _Load(c, args.rate, args.seconds)
+        time.sleep(0.5)
+        big = b"\0" * (100 << 20)
+
+        def attack() -> None:
+            ctx = zmq.Context()
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(c.client_endpoint)
+            s.send_multipart([wire.submit("tiny", 0, [1]), big])
+            time.sleep(2.0)
+            ctx.destroy(0)
+
+        ts = [threading.Thread(target=attack) for _ in range(10)]
+        peak = rss0
+        for t in ts:
+            t.start()
+        while any(t.is_alive() for t in ts):
+            peak = max(peak, _rss_mb(c.server.pid))
+            time.sleep(0.05)
+        load = load.result()
+        growth = peak - rss0
+        att = load.get("attainment", 0.0)
+        return emit(case="oversize-payloads", rss_before_mb=round(rss0, 1), rss_peak_mb=round(peak, 1),
+                    growth_mb=round(growth, 1), legit_attainment=att, legit_no_reply=load.get("no_reply"),
+                    ok=growth <= 64 and att >= 0.99 and load.get("no_reply", 1) == 0)
+
+
+def daemon_restart(args) -> dict:
+    with short_tmpdir("ppiped-faults-") as d:
+        c = _cluster(Path(d))
+        try:
+            c.start()
+
+            async def go() -> dict:
+                async with AsyncClient(c.client_endpoint, timeout_s=30) as ac:
+                    await ac.submit("tiny", b"warm", slo_ms=5000)
+                    os.kill(c.executors[0].pid, signal.SIGSTOP)
+                    futs = [asyncio.ensure_future(ac.submit("tiny", b"p%d" % i, slo_ms=20_000))
+                            for i in range(100)]
+                    await asyncio.sleep(0.3)
+                    t0 = time.monotonic()
+                    c.restart_server()
+                    os.kill(c.executors[0].pid, signal.SIGCONT)
+                    outs = await asyncio.gather(*futs, return_exceptions=True)
+                    waited = time.monotonic() - t0
+                    reasons: dict[str, int] = {}
+                    for o in outs:
+                        k = o.reason if isinstance(o, Dropped) else type(o).__name__
+                        reasons[k] = reasons.get(k, 0) + 1
+                    t1 = time.monotonic()
+                    while True:  # back in service: a request served again
+                        try:
+                            await ac.submit("tiny", b"after", slo_ms=2000)
+                            break
+                        except Dropped:
+                            await asyncio.sleep(0.05)
+                    return {"pending": len(outs), "reasons": reasons, "ended_within_s": round(waited, 2),
+                            "served_again_after_s": round(waited + time.monotonic() - t1, 2)}
+
+            r = asyncio.run(go())
+        finally:
+            if c.executors and c.executors[0] is not None and c.executors[0].poll() is None:
+                os.kill(c.executors[0].pid, signal.SIGCONT)
+            c.stop()
+        # Served by the new scheduler (the request was still in the socket) or ended with a reason:
+        # both are answers; anything else (a timeout) is silent.
+        answered = sum(v for k, v in r["reasons"].items()
+                       if k in (wire.DAEMON_RESTARTED, wire.DAEMON_UNREACHABLE, "Result"))
+        return emit(case="daemon-restart", **r, silent=r["pending"] - answered, ok=answered == r["pending"])
+
+
+RUN = {"forged-results": forged_results, "tcp-ctl-stop": tcp_ctl_stop,
+       "oversize-payloads": oversize_payloads, "daemon-restart": daemon_restart}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate", type=float, default=2000.0, help="legit requests/s alongside")
+    ap.add_argument("--seconds", type=float, default=5.0, help="attack duration")
+    ap.add_argument("--only", help=f"comma-separated cases ({', '.join(CASES)})")
+    args = ap.parse_args()
+    cases = args.only.split(",") if args.only else list(CASES)
+    bad = [k for k in cases if k not in RUN]
+    if bad:
+        ap.error(f"unknown case(s) {bad}; choose from {CASES}")
+    rows = [RUN[k](args) for k in cases]
+    missed = [r["case"] for r in rows if not r["ok"]]
+    emit(summary=True, cases=len(rows), missed=missed)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
