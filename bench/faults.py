@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -162,15 +161,7 @@ def daemon_restart(args) -> dict:
             async def go() -> dict:
                 async with AsyncClient(c.client_endpoint, timeout_s=30) as ac:
                     await ac.submit("tiny", b"warm", slo_ms=5000)
-                    os.kill(c.executors[0].pid, signal.SIGSTOP)
-                    futs = [asyncio.ensure_future(ac.submit("tiny", b"p%d" % i, slo_ms=20_000))
-                            for i in range(100)]
-                    await asyncio.sleep(0.3)
-                    t0 = time.monotonic()
-                    c.restart_server()
-                    os.kill(c.executors[0].pid, signal.SIGCONT)
-                    outs = await asyncio.gather(*futs, return_exceptions=True)
-                    waited = time.monotonic() - t0
+                    outs, waited = await c.restart_with_pending(ac, 100, "tiny")
                     reasons: dict[str, int] = {}
                     for o in outs:
                         k = o.reason if isinstance(o, Dropped) else type(o).__name__
@@ -187,8 +178,6 @@ def daemon_restart(args) -> dict:
 
             r = asyncio.run(go())
         finally:
-            if c.executors and c.executors[0] is not None and c.executors[0].poll() is None:
-                os.kill(c.executors[0].pid, signal.SIGCONT)
             c.stop()
         # Served by the new scheduler (the request was still in the socket) or ended with a reason:
         # both are answers; anything else (a timeout) is silent.

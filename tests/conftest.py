@@ -3,6 +3,7 @@ what a GPU test needs to know about this host."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -44,3 +45,17 @@ def reference_plan_path():
     if not plans:
         pytest.skip("../shared/data/ppipe is not present")
     return plans[0]
+
+
+@contextlib.contextmanager
+def tiny_cluster(d: Path, groups):
+    """The tiny two-pool example served by emulated executors in ``d``, frames of any size, a
+    generous wait guard (these tests check answers, not batching); stopped on exit."""
+    from ppiped.daemon.launch import LocalCluster, write_config
+    from ppiped.executor import tiny
+
+    plan, profiles = tiny.write_example(d)
+    cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=1000,
+                       scheduler={"wait_guard_us": 25_000}, extra="[models.tiny]\ninput_bytes = 0\n")
+    with LocalCluster(cfg, groups, log_level="info") as c:
+        yield c

@@ -10,30 +10,24 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
+from conftest import tiny_cluster
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ppiped import wire
 from ppiped.client import Client
 from ppiped.daemon.config import load_config
-from ppiped.daemon.launch import LocalCluster, short_tmpdir, write_config
-from ppiped.executor import tiny
+from ppiped.daemon.launch import short_tmpdir
 from ppiped.wire import T
 
 
 @pytest.fixture(scope="module")
 def target():
-    with short_tmpdir("ppiped-fuzz-") as d:
-        d = Path(d)
-        plan, profiles = tiny.write_example(d)
-        cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=1000,
-                           scheduler={"wait_guard_us": 25_000}, extra="[models.tiny]\ninput_bytes = 0\n")
-        c = LocalCluster(cfg, ((0, 2), (1, 3)), log_level="info")
+    with short_tmpdir("ppiped-fuzz-") as d, tiny_cluster(Path(d), ((0, 2), (1, 3))) as c:
+        conf = load_config(c.config)
         ctx = zmq.Context()
         socks = {}
         try:
-            c.start()
-            conf = load_config(cfg)
             for name, ep in (("client", conf.client), ("executor", conf.executor)):
                 s = ctx.socket(zmq.DEALER)
                 s.setsockopt(zmq.LINGER, 0)
@@ -42,7 +36,6 @@ def target():
             yield c, socks
         finally:
             ctx.destroy(0)
-            c.stop()
 
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=True),

@@ -4,10 +4,8 @@ must get only genuine answers."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
-import signal
 import socket
 import threading
 import time
@@ -15,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from conftest import tiny_cluster
 
 from ppiped import wire
 from ppiped.client import AsyncClient, Client, Dropped
@@ -27,18 +26,8 @@ from ppiped.wire import Status, T
 
 @pytest.fixture(scope="module")
 def cluster():
-    with short_tmpdir("ppiped-sec-") as d:
-        d = Path(d)
-        plan, profiles = tiny.write_example(d)
-        cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=1000,
-                           scheduler={"wait_guard_us": 25_000},
-                           extra="[models.tiny]\ninput_bytes = 0\n")
-        c = LocalCluster(cfg, ((0, 2), (1, 3)), log_level="info")
-        try:
-            c.start()
-            yield c, load_config(cfg)
-        finally:
-            c.stop()
+    with short_tmpdir("ppiped-sec-") as d, tiny_cluster(Path(d), ((0, 2), (1, 3))) as c:
+        yield c, load_config(c.config)
 
 
 class Impostor:
@@ -245,32 +234,14 @@ def test_curve_executor_keys_are_bound_to_their_vgpus(curve_cluster, tmp_path):
 
 
 async def test_daemon_restart_ends_every_pending_request_explicitly():
-    with short_tmpdir("ppiped-restart-") as d:
-        d = Path(d)
-        plan, profiles = tiny.write_example(d)
-        cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=1000,
-                           scheduler={"wait_guard_us": 25_000}, extra="[models.tiny]\ninput_bytes = 0\n")
-        c = LocalCluster(cfg, ((0, 1, 2, 3),), log_level="info")
-        try:
-            c.start()
-            async with AsyncClient(c.client_endpoint, timeout_s=30) as ac:
-                assert (await ac.submit("tiny", b"before", slo_ms=5000)).data == b"before"
-                epoch = ac.epoch if ac.epoch is not None else (await ac.info())["epoch"]
-                os.kill(c.executors[0].pid, signal.SIGSTOP)  # batches hang: requests stay pending
-                futs = [asyncio.ensure_future(ac.submit("tiny", b"x%d" % i, slo_ms=20_000))
-                        for i in range(50)]
-                await asyncio.sleep(0.3)
-                t0 = time.monotonic()
-                c.restart_server()
-                os.kill(c.executors[0].pid, signal.SIGCONT)
-                outs = await asyncio.gather(*futs, return_exceptions=True)
-                waited = time.monotonic() - t0
-                reasons = {o.reason for o in outs if isinstance(o, Dropped)}
-                assert all(isinstance(o, Dropped) for o in outs), outs[:3]
-                assert reasons <= {wire.DAEMON_RESTARTED, wire.DAEMON_UNREACHABLE}, reasons
-                assert waited < 10
-                info = await ac.info(timeout_s=10)
-                assert info["epoch"] != epoch
-        finally:
-            os.kill(c.executors[0].pid, signal.SIGCONT) if c.executors and c.executors[0] else None
-            c.stop()
+    with short_tmpdir("ppiped-restart-") as d, tiny_cluster(Path(d), ((0, 1, 2, 3),)) as c:
+        async with AsyncClient(c.client_endpoint, timeout_s=30) as ac:
+            assert (await ac.submit("tiny", b"before", slo_ms=5000)).data == b"before"
+            epoch = ac.epoch if ac.epoch is not None else (await ac.info())["epoch"]
+            outs, waited = await c.restart_with_pending(ac, 50, "tiny")  # batches hang meanwhile
+            reasons = {o.reason for o in outs if isinstance(o, Dropped)}
+            assert all(isinstance(o, Dropped) for o in outs), outs[:3]
+            assert reasons <= {wire.DAEMON_RESTARTED, wire.DAEMON_UNREACHABLE}, reasons
+            assert waited < 10
+            info = await ac.info(timeout_s=10)
+            assert info["epoch"] != epoch

@@ -174,6 +174,21 @@ class LocalCluster:
         self.server = self._spawn([self.python, "-m", "ppiped.cli", "serve", "--config",
                                    str(self.config), "--log-level", self.log_level], "serve.log")
 
+    async def restart_with_pending(self, client: Any, n: int, model: str, slo_ms: float = 20_000.0
+                                   ) -> tuple[list, float]:
+        """Hold ``n`` requests pending (executor 0 stopped), ``kill -9`` and restart the scheduler,
+        and wait for every request's end: (results or exceptions, seconds from the restart)."""
+        os.kill(self.executors[0].pid, signal.SIGSTOP)
+        try:
+            futs = [asyncio.ensure_future(client.submit(model, b"p%d" % i, slo_ms=slo_ms)) for i in range(n)]
+            await asyncio.sleep(0.3)
+            t0 = time.monotonic()
+            self.restart_server()
+        finally:
+            os.kill(self.executors[0].pid, signal.SIGCONT)
+        outs = await asyncio.gather(*futs, return_exceptions=True)
+        return outs, time.monotonic() - t0
+
     def _start_executor(self, i: int) -> subprocess.Popen:
         vg = ",".join(map(str, self.groups[i]))
         args = [self.python, "-m", "ppiped.executor.main", "--config", str(self.config), "--vgpu", vg,
