@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, types
 
-from .depq import peek_min, pop_min, push, remove_at
+from .depq import peek_min, pop_max, pop_min, push, remove_at
 from .state import (
     DROP_DEADLINE,
     DROP_EARLY,
@@ -23,6 +23,9 @@ from .state import (
     F1,
     F_GUARD,
     F_LAST_NOW,
+    F_MARGIN_MAX,
+    F_MARGIN_Q,
+    F_MARGIN_STEP,
     F_MIN_WAIT,
     F_WAKE,
     FULL_BATCH,
@@ -52,7 +55,9 @@ from .state import (
     H_OUT_NR,
     H_OUT_NX,
     H_OX,
+    H_PARD,
     H_POLICY,
+    H_PULL,
     H_Q,
     H_QC,
     H_R,
@@ -67,6 +72,7 @@ from .state import (
     KIND_UPLINK,
     OK,
     POLICY_REACTIVE,
+    RK,
     TB,
     X_B_FINAL,
     X_B_FREE,
@@ -75,6 +81,7 @@ from .state import (
     X_B_POOL,
     X_B_SLOTS,
     X_LAT,
+    X_M_HOLD,
     X_MODEL_PIPE0,
     X_OD_BS,
     X_OD_FINAL,
@@ -113,6 +120,7 @@ from .state import (
     X_PR_TX,
     X_PR_VG,
     X_Q_DIRTY,
+    X_Q_HBF,
     X_Q_SIZE,
     X_Q_WAKE,
     X_REM,
@@ -133,6 +141,9 @@ from .state import (
     X_TIN,
     X_V_ALIVE,
     X_V_BUSY,
+    X_V_MARGIN,
+    X_V_RH,
+    X_V_RLEN,
     X_V_POOL,
     X_V_SERVER,
     b1,
@@ -203,7 +214,7 @@ def _better(c, f, u, v, best_c, best_f, best_u, best_v):
         u < best_u or (u == best_u and v < best_v)))))
 
 
-@njit(types.Tuple((i8, f8, f8, b1, f8))(I1, F1, TB, i8, i8, i8, f8, f8, f8, i8, f8), cache=True)
+@njit(types.Tuple((i8, f8, f8, b1, f8, f8))(I1, F1, TB, i8, i8, i8, f8, f8, f8, i8, f8), cache=True)
 def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn):
     """Hop ``k`` of a probe: the live vGPU of ``pool`` whose output can leave first.
 
@@ -232,9 +243,11 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn):
     o_dv = off(A, X_SCAN_V)
     o_dr = off(A, X_SCAN_READY)
     o_dt = off(A, X_SCAN_TX)
+    o_mg = off(A, X_V_MARGIN)
     best_c = INF
     best_f = INF
     best_v = -1
+    best_l = L
     best_s = 0.0
     best_tx = 0.0
     best_has_tx = False
@@ -261,9 +274,10 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn):
             if tx == INF:
                 continue
             ready = tx + T
+        Lv = L * F[o_mg + v]
         if F[o_gf + v] <= ready:
             s = max(ready, F[o_tail + v])
-            f = s + L
+            f = s + Lv
             if f > best_c:
                 continue
             up = V + 2 * sv
@@ -283,7 +297,8 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn):
                 best_s = s
                 best_tx = tx
                 best_has_tx = has_tx
-        elif ready + L <= best_c:
+                best_l = Lv
+        elif ready + Lv <= best_c:
             A[o_dv + nd] = v if has_tx else -1 - v
             F[o_dr + nd] = ready
             F[o_dt + nd] = tx
@@ -294,8 +309,9 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn):
         if not has_tx:
             v = -1 - v
         ready = F[o_dr + i]
-        s = earliest1_cut(F, A, tb, v, ready, L, 0.0, best_c)
-        f = s + L
+        Lv = L * F[o_mg + v]
+        s = earliest1_cut(F, A, tb, v, ready, Lv, 0.0, best_c)
+        f = s + Lv
         if f > best_c:
             continue
         up = V + 2 * A[o_vs + v]
@@ -309,7 +325,8 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn):
             best_s = s
             best_tx = F[o_dt + i]
             best_has_tx = has_tx
-    return best_v, best_f, best_s, best_has_tx, best_tx
+            best_l = Lv
+    return best_v, best_f, best_s, best_has_tx, best_tx, best_l
 
 
 @njit(types.UniTuple(f8, 2)(I1, F1, i8, i8, f8, i8), cache=True)
@@ -320,9 +337,15 @@ def probe(A, F, p, b, now, buf):
     from another server), then its inference slot; the vGPU whose output can leave first wins
     (see :func:`_scan_pool`: its finish, and where a transfer follows, when its server's uplink
     is free for it; ties: the earlier finish, the earliest-free uplink, the lowest id). The path
-    and its slots go to scratch buffer ``buf``. Returns
-    ``(finish, waiting)``: waiting is the finish minus ``now`` minus the busy time of the path,
-    i.e. the time the batch would spend queued for resources. ``(inf, inf)`` if a pool is dead.
+    and its slots go to scratch buffer ``buf``. Returns ``(finish, waiting)``: waiting is the
+    finish minus ``now`` minus the busy time of the path, i.e. the time the batch would spend
+    queued for resources. ``(inf, inf)`` if a pool is dead.
+
+    Each inference is reserved for its profiled latency times the vGPU's margin (a high
+    quantile of its measured / profiled latency, :func:`_learn_margin`), so noise on one batch
+    does not push the batches behind it past their deadlines; executors are work-conserving and
+    a report that ends early pulls the batches queued behind it forward
+    (:func:`tables.correct`), so the margin costs latency estimates, not capacity.
     """
     V = A[H_V]
     B = A[H_B]
@@ -346,7 +369,8 @@ def probe(A, F, p, b, now, buf):
         if A[off(A, X_POOL_LIVE) + pool] == 0 or not L < INF:
             return INF, INF
         Tn = F[o_tin + (pool + 1) * B + b - 1] if k + 1 < npools else 0.0
-        best_v, best_f, best_s, best_has_tx, best_tx = _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn)
+        best_v, best_f, best_s, best_has_tx, best_tx, Lr = _scan_pool(A, F, tb, pool, k, prev_s, t, T, L,
+                                                                      nt, Tn)
         if best_v < 0:
             return INF, INF
         sv = A[o_vs + best_v]
@@ -354,7 +378,7 @@ def probe(A, F, p, b, now, buf):
         A[off(A, X_PR_VG) + j] = best_v
         F[off(A, X_PR_TX) + j] = best_tx
         F[off(A, X_PR_INF) + j] = best_s
-        F[off(A, X_PR_LDUR) + j] = L
+        F[off(A, X_PR_LDUR) + j] = Lr
         if best_has_tx:
             F[off(A, X_PR_TDUR) + j] = T
             busy += T
@@ -370,7 +394,7 @@ def probe(A, F, p, b, now, buf):
             nt += 2
         else:
             F[off(A, X_PR_TDUR) + j] = 0.0
-        busy += L
+        busy += Lr
         t = best_f
         prev_s = sv
     return t, t - now - busy
@@ -387,11 +411,16 @@ def _has_room(A, F, tb, r, need, now):
 @njit(i8(I1, F1, i8, i8, i8, i8, f8, f8, b1), cache=True)
 def _emit_res(A, F, r, kind, hop, v, s, e, table):
     """Number a reservation, enter it in ``r``'s table (``table``) and in the output."""
-    h = (A[H_SEQ] << HANDLE_SHIFT) | r
+    seq = A[H_SEQ]
+    h = (seq << HANDLE_SHIFT) | r
     A[H_SEQ] += 1
     A[H_CT_RESERVE] += 1
     if table:
         insert(F, A, tables_desc(A), r, s, e, h)
+        if kind == KIND_INFER:
+            j = r * RK + seq % RK
+            A[off(A, X_V_RH) + j] = h
+            F[off(A, X_V_RLEN) + j] = e - s
     i = A[H_OUT_NR]
     A[off(A, X_OR_HANDLE) + i] = h
     A[off(A, X_OR_RES) + i] = r
@@ -461,9 +490,10 @@ def _emit_req(A, slot, src):
     A[H_OUT_NQ] = i + 1
 
 
-@njit(i8(I1, F1, i8, i8, i8, i8, f8, f8), cache=True)
-def _commit_ppipe(A, F, m, p, take, buf, fin, now):
-    """Reserve the path in scratch ``buf`` and dispatch ``take`` earliest-deadline requests."""
+@njit(i8(I1, F1, i8, i8, i8, i8, f8, f8, b1), cache=True)
+def _commit_ppipe(A, F, m, p, take, buf, fin, now, from_max):
+    """Reserve the path in scratch ``buf`` and dispatch ``take`` requests: the earliest
+    deadlines, or with ``from_max`` the latest (PARD's high-budget-first)."""
     V = A[H_V]
     K = A[H_K]
     npools = A[off(A, X_PIPE_NPOOLS) + p]
@@ -504,7 +534,7 @@ def _commit_ppipe(A, F, m, p, take, buf, fin, now):
         prev_s = sv
     dq = queues_desc(A)
     for _ in range(take):
-        slot = pop_min(F, A, dq, m)
+        slot = pop_max(F, A, dq, m) if from_max else pop_min(F, A, dq, m)
         _emit_req(A, slot, -1)
         _free_slot(A, slot)
     _end_dispatch(A, F, d, fin)
@@ -513,8 +543,21 @@ def _commit_ppipe(A, F, m, p, take, buf, fin, now):
 
 @njit(i8(I1, F1, i8, f8), cache=True)
 def _ppipe_queue(A, F, m, now):
-    """PPipe Algorithm 1 for model ``m``'s queue, until it is empty or waiting."""
+    """PPipe Algorithm 1 for model ``m``'s queue, until it is empty or waiting.
+
+    With PARD (``H_PARD``): when a full batch served now would end after the oldest deadline
+    and the queue holds enough requests to fill it (or the model was overloaded within its hold
+    time), the batch stays full and every request that even it cannot serve in time is dropped
+    now (proactively, on the whole path's estimate: the probe) instead of shrinking the batch,
+    which would cut throughput exactly when it is short; for the hold time after such a drop,
+    batches take the requests with the most budget left (high-budget-first), so that what is
+    served under overload has room for noise. Otherwise PPipe's low-budget-first (earliest
+    deadline) order and batch shrinking apply: at low load nothing is dropped that a smaller
+    batch could serve.
+    """
     early = A[H_EARLY] != 0
+    pard = A[H_PARD] != 0
+    o_hbf = off(A, X_Q_HBF)
     min_wait = F[F_MIN_WAIT]
     guard = F[F_GUARD]
     dq = queues_desc(A)
@@ -554,6 +597,13 @@ def _ppipe_queue(A, F, m, now):
         fmin = best_f
         if best_f <= dh:
             chosen = B
+        elif pard and (n >= B or F[o_hbf + m] > now):
+            F[o_hbf + m] = now + F[off(A, X_M_HOLD) + m]
+            while A[o_qs + m] > 0 and F[o_dl + peek_min(A, dq, m)] < best_f:
+                if A[H_OUT_NX] >= A[H_OX]:
+                    return FULL_OUT
+                _emit_drop(A, pop_min(F, A, dq, m), DROP_EARLY)
+            continue
         elif not early:
             cur = 1 - bbuf
             for b in range(B - 1, 0, -1):
@@ -589,7 +639,7 @@ def _ppipe_queue(A, F, m, now):
             # else (rare: the greedy path at the smaller size ends later): dispatch the n
             # requests now on the larger size's reservations, which do meet the deadline
         # 3c. reserve and dispatch
-        status = _commit_ppipe(A, F, m, best_p, take, buf, fin, now)
+        status = _commit_ppipe(A, F, m, best_p, take, buf, fin, now, pard and F[o_hbf + m] > now)
         if status != OK:
             return status
 
@@ -836,6 +886,44 @@ def cancel(A, rid, model):
     return 0
 
 
+@njit(f8(I1, F1, i8, i8), cache=True)
+def _reserved_len(A, F, v, h):
+    """Reserved length of inference ``h`` on vGPU ``v`` (0 if it is older than the last RK).
+    Kept apart from the tables, whose entries GC and table growth may have dropped."""
+    j = v * RK + (h >> HANDLE_SHIFT) % RK
+    if A[off(A, X_V_RH) + j] != h:
+        return 0.0
+    return F[off(A, X_V_RLEN) + j]
+
+
+@njit(none(I1, F1, i8, f8, f8), cache=True)
+def _learn_margin(A, F, v, reserved, took):
+    """Move vGPU ``v``'s margin towards the ``F_MARGIN_Q`` quantile of its measured / profiled
+    latency, from a use that took ``took`` µs of a ``reserved`` µs reservation.
+
+    Why a margin: executors' latency wanders (clocks, MPS neighbours, PCIe); a reservation of
+    exactly the profiled time makes every overrun push the batches queued behind it, and their
+    downstream transfers, past their deadlines. Why this estimator: a multiplicative
+    stochastic-approximation step (up by ``step * q`` when a use overran the margin, down by
+    ``step * (1 - q)`` otherwise) settles where a fraction ``q`` of uses fit, costs O(1) per
+    report and follows drift; the margin never goes below 1 (the profile) or above
+    ``F_MARGIN_MAX``. The profiled length is the reserved length over the margin in force,
+    which moves slowly enough to stand in for the one in force when it was reserved.
+    """
+    if reserved <= 0.0:
+        return
+    o = off(A, X_V_MARGIN) + v
+    m = F[o]
+    x = took / reserved * m
+    q = F[F_MARGIN_Q]
+    step = F[F_MARGIN_STEP]
+    if x > m * (1.0 + 1e-9):
+        m *= np.exp(step * q)
+    else:
+        m *= np.exp(-step * (1.0 - q))
+    F[o] = min(max(m, 1.0), F[F_MARGIN_MAX])
+
+
 @njit(i8(I1, F1, i8, f8, f8), cache=True)
 def _report_one(A, F, h, a, b):
     r = h & HANDLE_MASK
@@ -860,8 +948,12 @@ def _report_one(A, F, h, a, b):
     horizon = F[F_LAST_NOW]
     if r < A[H_V] and A[o_va + r] == 0:
         horizon = INF  # a removed vGPU keeps no reservations
-    if correct(F, A, tables_desc(A), r, h, a, b, horizon) != 0:
-        return FULL_TABLE
+    learn = r < A[H_V] and horizon < INF and b > a and F[F_MARGIN_STEP] > 0.0
+    reserved = _reserved_len(A, F, r, h) if learn else 0.0
+    if correct(F, A, tables_desc(A), r, h, a, b, horizon, A[H_PULL] != 0 and r < A[H_V]) != 0:
+        return FULL_TABLE  # nothing changed, the margin included: the call is repeated
+    if learn:
+        _learn_margin(A, F, r, reserved, b - a)
     return OK
 
 

@@ -64,6 +64,8 @@ H_BNFREE = 22  # free batch records on the b_free stack
 H_POLICY = 23
 H_EARLY = 24  # 1: Nexus-style early drop
 H_TAKE = 25  # 0: take batch members from the min (earliest-deadline) end
+H_PARD = 27  # 1: PARD: proactive drop under overload, high-budget-first for a while after
+H_PULL = 26  # 1: executors are work-conserving; an early end pulls the vGPU's queue forward
 H_CT_PROBES = 30
 H_CT_DECIDE = 31
 H_CT_DISPATCH = 32
@@ -82,6 +84,9 @@ F_MIN_WAIT = 50
 F_GUARD = 51
 F_LAST_NOW = 52
 F_WAKE = 53
+F_MARGIN_Q = 54  # quantile of (measured / profiled) latency a vGPU's reservations cover
+F_MARGIN_STEP = 55  # learning rate of that quantile (0: margins stay as set)
+F_MARGIN_MAX = 56  # cap on a vGPU's margin
 SEC_TABLE = 64
 
 POLICY_PPIPE = 0
@@ -187,6 +192,11 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("oq_src", "i", ("OQ",)),
     ("ox_rid", "i", ("OX",)),
     ("ox_reason", "i", ("OX",)),
+    ("v_margin", "f", ("V",)),
+    ("q_hbf", "f", ("Q",)),
+    ("m_hold", "f", ("M",)),
+    ("v_rh", "i", ("V", "RK")),
+    ("v_rlen", "f", ("V", "RK")),
 )
 # section indices, in SECTIONS order (tests check they agree)
 X_V_SERVER = 0
@@ -263,6 +273,12 @@ X_OQ_RID = 70
 X_OQ_SRC = 71
 X_OX_RID = 72
 X_OX_REASON = 73
+X_V_MARGIN = 74
+X_Q_HBF = 75
+X_M_HOLD = 76
+X_V_RH = 77  # per vGPU, the handles of its last RK inference reservations (a ring by sequence)
+X_V_RLEN = 78  # and their reserved lengths: what a report's margin update compares against
+RK = 16
 
 SECTION_INDEX = {name: k for k, (name, _, _) in enumerate(SECTIONS)}
 HEADER = SEC_TABLE + 2 * len(SECTIONS)
@@ -279,6 +295,8 @@ def _dim(dims: dict[str, int], name: str) -> int:
         return 2 * dims["K"]
     if name == "TWO":
         return 2
+    if name == "RK":
+        return RK
     return dims[name]
 
 

@@ -26,7 +26,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .state import F1, I1, TB, f8, i8, none
+from .state import F1, I1, TB, b1, f8, i8, none
+
+# how close (µs) an interval's start must be to the previous one's end to count as queued
+# right behind it: the core places such a start at exactly that end, a push keeps it there
+_CHAIN_EPS = 1e-6
 
 
 @njit(cache=True, inline="always")
@@ -164,6 +168,22 @@ def _push_later(F, os, oe, q, hi, cur):
         q += 1
 
 
+@njit(cache=True, inline="always")
+def _pull_earlier(F, os, oe, q, hi, old_end, new_end):
+    """The mirror of :func:`_push_later` for a work-conserving resource: a reservation that
+    ended at ``new_end`` instead of ``old_end`` lets the intervals queued right behind it (each
+    starting where the one before it was to end) start that much sooner, keeping their
+    durations. An interval after a gap waited for something else (its input) and stays."""
+    while q < hi and new_end < old_end and abs(F[os + q] - old_end) <= _CHAIN_EPS:
+        s = F[os + q]
+        e = F[oe + q]
+        F[os + q] = new_end
+        F[oe + q] = e - (s - new_end)
+        old_end = e
+        new_end = F[oe + q]
+        q += 1
+
+
 @njit(i8(F1, I1, TB, i8, f8, f8, i8), cache=True)
 def insert(F, A, tb, r, s, e, h):
     """Insert ``[s, e)`` with handle ``h`` into row ``r``; the caller guarantees that it overlaps
@@ -219,14 +239,16 @@ def find_handle_near(F, A, tb, r, h, t):
     return -1
 
 
-@njit(i8(F1, I1, TB, i8, i8, f8, f8, f8), cache=True)
-def correct(F, A, tb, r, h, a, b, horizon):
+@njit(i8(F1, I1, TB, i8, i8, f8, f8, f8, b1), cache=True)
+def correct(F, A, tb, r, h, a, b, horizon, pull):
     """Feedback correction: make row ``r`` say that reservation ``h`` really used ``[a, b)``.
 
     The old interval (if still there) is removed. If ``b <= a`` the use did not happen and that is
     all. Otherwise ``[a, b)`` goes in: an earlier interval still running at ``a`` is cut at ``a``
     (the resource moved on, so it had finished), and later intervals that now overlap are pushed
-    back, keeping their lengths, as a FIFO executor would run them. Nothing ending at or before
+    back, keeping their lengths, as a FIFO executor would run them. With ``pull`` (the resource
+    is work-conserving), a use that ended before its reserved end pulls the intervals queued
+    right behind it forward by as much (:func:`_pull_earlier`). Nothing ending at or before
     ``horizon`` (the last GC time) is re-inserted. Returns 0, or 1 if the row is full (nothing
     changed then; grow the table and call again).
     """
@@ -246,12 +268,17 @@ def correct(F, A, tb, r, h, a, b, horizon):
             oe = tb[1] + base
             if i > lo and F[oe + i - 1] > a:
                 F[oe + i - 1] = a
+            old_end = F[oe + i]
             F[os + i] = a
             F[oe + i] = b
             _push_later(F, os, oe, i + 1, hi, b)
+            if pull:
+                _pull_earlier(F, os, oe, i + 1, hi, old_end, b)
             _retail(F, A, tb, r)
             return 0
+    old_end = -np.inf
     if i >= 0:
+        old_end = F[tb[1] + base + i]
         for k in range(i, A[tb[4] + r] - 1):
             _move(F, A, tb, base, k, k + 1)
         A[tb[4] + r] -= 1
@@ -268,6 +295,8 @@ def correct(F, A, tb, r, h, a, b, horizon):
         F[oe + j - 1] = a
     pos = insert(F, A, tb, r, a, b, h)
     _push_later(F, os, oe, pos + 1, A[tb[4] + r], b)
+    if pull:
+        _pull_earlier(F, os, oe, pos + 1, A[tb[4] + r], old_end, b)
     _retail(F, A, tb, r)
     return 0
 

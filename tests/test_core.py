@@ -105,7 +105,7 @@ def run_lockstep(seed: int, policy: str = "ppipe", n_req: int = 60, fail_vgpu: b
     sch = Scheduler(plan, profiles, policy, **(sched_kw or {}))
     lay = sch.layout
     ref = RefScheduler(lay, "reactive" if policy == "reactive" else "ppipe",
-                       early_drop=policy == "ppipe-early-drop") if check_ref else None
+                       early_drop=policy == "ppipe-early-drop", pard=policy == "pard") if check_ref else None
     M = len(lay.models)
     ev: list = []
     order = 0
@@ -246,7 +246,13 @@ def test_early_drop_matches_reference(seed):
     run_lockstep(seed, "ppipe-early-drop")
 
 
-@pytest.mark.parametrize("policy", ["ppipe", "reactive"])
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10**6))
+def test_pard_matches_reference(seed):
+    run_lockstep(seed, "pard")
+
+
+@pytest.mark.parametrize("policy", ["ppipe", "reactive", "pard"])
 def test_growing_the_arena_changes_nothing(policy):
     """Tiny initial capacities force every growth path; decisions stay identical."""
     for seed in range(4):
@@ -258,7 +264,7 @@ def test_growing_the_arena_changes_nothing(policy):
 
 
 @settings(max_examples=20, deadline=None)
-@given(st.integers(0, 10**6), st.sampled_from(["ppipe", "reactive", "ppipe-early-drop"]), st.booleans())
+@given(st.integers(0, 10**6), st.sampled_from(["ppipe", "reactive", "ppipe-early-drop", "pard"]), st.booleans())
 def test_submit_many_is_repeated_submit(seed, policy, tiny):
     """One ``submit_many`` per client message leaves the same state as a ``submit`` per request
     (ties in deadline included, arena growth in the middle of a message included), so every
@@ -368,7 +374,7 @@ def test_remove_vgpu_releases_reservations_and_no_capacity():
 
 def test_late_report_delays_the_next_reservation():
     plan, profs = _one_pool_case(nv=1, bs=1, slo=10_000)
-    s = Scheduler(plan, profs)
+    s = Scheduler(plan, profs, margin_step=0.0)  # this test is about the push, not the margin
     for i in range(2):
         s.submit(i, 0, 0.0, 10_000.0 + i)
     d0, d1 = s.decide(0.0).dispatches()
@@ -379,6 +385,63 @@ def test_late_report_delays_the_next_reservation():
     s.submit(2, 0, 10.0, 10_000.0)
     (d2,) = s.decide(10.0).dispatches()
     assert d2.finish_us == pytest.approx(350.0)
+
+
+def test_early_end_pulls_the_queue_forward_only_on_work_conserving_executors():
+    plan, profs = _one_pool_case(nv=1, bs=1, slo=10_000)
+    for wc in (True, False):
+        s = Scheduler(plan, profs, margin_step=0.0, work_conserving=wc)
+        for i in range(3):
+            s.submit(i, 0, 0.0, 10_000.0 + i)
+        d0, d1, d2 = s.decide(0.0).dispatches()
+        assert [r.start_us for d in (d0, d1, d2) for r in d.reservations] == [0.0, 100.0, 200.0]
+        s.report(d0.reservations[0].handle, 0.0, 60.0)  # 40 µs early
+        starts = [a for a, _, _ in s.table(d0.path[0])]
+        # a FIFO executor that starts whatever it holds as soon as it is free runs the queue 40 µs
+        # sooner; one that waits for reserved starts does not
+        assert starts == ([0.0, 60.0, 160.0] if wc else [0.0, 100.0, 200.0])
+
+
+def _serve(s, n, took, t=0.0, rid0=0):
+    """Submit ``n`` requests one at a time; each reservation is reported as ``took(vgpu)`` x
+    the profiled 100 µs. Returns the time reached."""
+    for i in range(n):
+        s.submit(rid0 + i, 0, t, t + 1e8)
+        for d in s.decide(t).dispatches():
+            (r,) = d.reservations
+            dur = 100.0 * took(r.vgpu)
+            s.report(r.handle, r.start_us, r.start_us + dur)
+            t = max(t, r.start_us + dur)
+        s.gc(t)
+    return t
+
+
+def test_margin_settles_at_the_quantile_of_measured_over_profiled_latency():
+    """Reports of 1.0-1.2 x the profile (uniform): the 0.9 quantile is 1.18, and reservations
+    take the profile times that margin."""
+    plan, profs = _one_pool_case(nv=1, bs=1, slo=1e9)
+    s = Scheduler(plan, profs, margin_quantile=0.9, margin_step=0.02)
+    rnd = random.Random(5)
+    t = _serve(s, 3000, lambda v: rnd.uniform(1.0, 1.2))
+    m = float(s._arena.view("v_margin")[0])
+    assert 1.15 < m < 1.21
+    s.submit(10**6, 0, t, t + 1e8)
+    (d,) = s.decide(t).dispatches()
+    (r,) = d.reservations
+    assert r.end_us - r.start_us == pytest.approx(100.0 * m)
+
+
+def test_a_steady_vgpu_wins_over_one_whose_latency_wanders():
+    plan, profs = _one_pool_case(nv=2, bs=1, slo=1e9)
+    s = Scheduler(plan, profs, margin_step=0.02)
+    rnd = random.Random(6)
+    _serve(s, 200, lambda v: rnd.uniform(1.0, 1.5) if v == 0 else 1.0)
+    m = s._arena.view("v_margin")
+    assert m[0] > 1.0 and m[1] == 1.0
+    t = 1e7
+    s.submit(10**6, 0, t, t + 1e8)
+    (d,) = s.decide(t).dispatches()
+    assert d.path == (1,)
 
 
 def test_transfers_reserve_both_nics_only_across_servers():

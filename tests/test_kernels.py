@@ -48,9 +48,10 @@ def _check_row(row):
 
 
 @settings(max_examples=150, deadline=None)
-@given(table_ops, st.sampled_from([4, 64]))
-def test_tables_match_reference(ops, cap):
-    """earliest slot is the earliest free start; inserts never overlap; reports and GC agree."""
+@given(table_ops, st.sampled_from([4, 64]), st.booleans())
+def test_tables_match_reference(ops, cap, pull):
+    """earliest slot is the earliest free start; inserts never overlap; reports and GC agree,
+    with and without work-conserving pulls."""
     F, A, tb = tables.new_tables(3, cap)
     ref = RefTables(3)
     now = 0.0
@@ -81,8 +82,8 @@ def test_tables_match_reference(ops, cap):
             r = h & S.HANDLE_MASK
             a += now
             b += a
-            if tables.correct(F, A, tb, r, h, a, b, now) == 0:
-                ref.correct(r, h, a, b, now)
+            if tables.correct(F, A, tb, r, h, a, b, now, pull) == 0:
+                ref.correct(r, h, a, b, now, pull)
         for r in range(3):
             row = tables.row(F, A, tb, r)
             _check_row(row)
@@ -107,16 +108,16 @@ def test_correct_late_report_pushes_later_reservations_back():
     F, A, tb = tables.new_tables(1, 8)
     for h, (s, e) in enumerate([(0.0, 10.0), (10.0, 20.0), (25.0, 30.0), (40.0, 50.0)]):
         tables.insert(F, A, tb, 0, s, e, h)
-    assert tables.correct(F, A, tb, 0, 0, 1.0, 17.0, -np.inf) == 0
+    assert tables.correct(F, A, tb, 0, 0, 1.0, 17.0, -np.inf, False) == 0
     assert tables.row(F, A, tb, 0) == [(1.0, 17.0, 0), (17.0, 27.0, 1), (27.0, 32.0, 2), (40.0, 50.0, 3)]
     # early end: the interval shrinks, nothing else moves
-    tables.correct(F, A, tb, 0, 1, 17.0, 21.0, -np.inf)
+    tables.correct(F, A, tb, 0, 1, 17.0, 21.0, -np.inf, False)
     assert tables.row(F, A, tb, 0)[1] == (17.0, 21.0, 1)
     # did not run: gone
-    tables.correct(F, A, tb, 0, 2, 5.0, 5.0, -np.inf)
+    tables.correct(F, A, tb, 0, 2, 5.0, 5.0, -np.inf, False)
     assert [x[2] for x in tables.row(F, A, tb, 0)] == [0, 1, 3]
     # a report starting inside a still-reserved interval cuts that one short
-    tables.correct(F, A, tb, 0, 3, 10.0, 12.0, -np.inf)
+    tables.correct(F, A, tb, 0, 3, 10.0, 12.0, -np.inf, False)
     assert tables.row(F, A, tb, 0)[:2] == [(1.0, 10.0, 0), (10.0, 12.0, 3)]
 
 

@@ -105,7 +105,7 @@ def test_executors_never_start_before_their_reservation():
     executors are work-conserving."""
     plan, profs = tiny()
     times = [0.0, 1.0, 2.0, 3.0]
-    _, lazy = run(plan, profs, times, sigma=0.3)
+    _, lazy = run(plan, profs, times, sigma=0.3, start_early_us=0.0)
     _, eager = run(plan, profs, times, sigma=0.3, start_early_us=float("inf"))
     for sim in (lazy, eager):
         assert sim.si[E.I_USES] == 4
@@ -128,7 +128,7 @@ def overload_case():
     return plan, profs, tr
 
 
-@pytest.mark.parametrize("policy", ["ppipe", "reactive", "ppipe-early-drop"])
+@pytest.mark.parametrize("policy", ["ppipe", "reactive", "ppipe-early-drop", "pard"])
 def test_every_request_ends_exactly_once(policy):
     plan, profs, tr = overload_case()
     res = simulate(plan, profs, tr, policy, jitter=0.1, seed=1, duration_s=0.05)

@@ -17,7 +17,7 @@ def add_world_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profiles", required=True, help="directory of ppiped-profile/1 files")
     p.add_argument("--trace", default="poisson",
                    help="poisson, bursty, or an Azure Functions 2021 trace file (default poisson)")
-    p.add_argument("--cv", type=float, default=4.0, help="bursty: coefficient of variation of the gaps (default 4)")
+    p.add_argument("--cv", type=float, default=2.0, help="bursty: coefficient of variation of the gaps (default 2)")
     p.add_argument("--trace-scale", choices=("stretch", "fold"), default="stretch",
                    help="trace files: compress the time axis to the rate (stretch, default) or overlay "
                         "rate/native-rate windows of the trace as the PPipe artifact does (fold)")
@@ -26,8 +26,11 @@ def add_world_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="ppipe", help="ppipe (reservations), reactive, ppipe-early-drop")
     p.add_argument("--jitter", type=float, default=None, metavar="SIGMA",
                    help="lognormal sigma of executor latency around the profile (default 0.05; 0: none)")
-    p.add_argument("--start-early-us", type=float, default=0.0,
-                   help="executors may start a batch this long before its reserved start (default 0; inf: work-conserving)")
+    p.add_argument("--start-early-us", type=float, default=float("inf"),
+                   help="executors may start a batch this long before its reserved start (default inf: "
+                        "work-conserving; 0: never early)")
+    p.add_argument("--margin-quantile", type=float, default=0.9,
+                   help="quantile of measured/profiled latency each vGPU's reservations cover (default 0.9)")
     p.add_argument("--base-plan", help="plan whose per-model throughput is load factor 1.0 "
                                        "(default: the _v4 sibling of a reference plan, else the plan itself)")
 
@@ -43,7 +46,9 @@ def options_from(args: argparse.Namespace, **kw):
         raise InputError(f"--jitter must be >= 0, got {sigma}")
     if args.duration <= 0:
         raise InputError(f"--duration must be > 0, got {args.duration}")
-    return SimOptions(sigma=sigma, start_early_us=args.start_early_us, **kw)
+    if not 0 < args.margin_quantile < 1:
+        raise InputError(f"--margin-quantile must be in (0, 1), got {args.margin_quantile}")
+    return SimOptions(sigma=sigma, start_early_us=args.start_early_us, margin_quantile=args.margin_quantile, **kw)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

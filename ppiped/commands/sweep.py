@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
                     for i, (n, r) in enumerate(zip(names, rates, strict=True))
                 ],
                 "points": [[f, a] for f, a in sr.curve()],
+                "dips": sr.dips(args.target),
             }
             if args.json:
                 print(json.dumps(_finite(out)))
@@ -82,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
                 for m in out["models"]:
                     att = f"{100 * m['attainment']:.2f}%" if m["attainment"] is not None else "-"
                     print(f"    {m['model'][:48]:<48} {m['rate_rps']:9.1f} req/s  attainment {att}")
+                if out["dips"]:
+                    print(f"  note: below target at lower load factor(s) {', '.join(f'{f:.2f}' for f in out['dips'])}")
             sys.stdout.flush()
     finally:
         if pool is not None:

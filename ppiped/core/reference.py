@@ -35,7 +35,8 @@ class RefTables:
         self.rows[r].append((s, e, h))
         self.rows[r].sort(key=lambda x: x[0])
 
-    def correct(self, r: int, h: int, a: float, b: float, horizon: float) -> None:
+    def correct(self, r: int, h: int, a: float, b: float, horizon: float, pull: bool = False) -> None:
+        old = [x for x in self.rows[r] if x[2] == h]
         row = [x for x in self.rows[r] if x[2] != h]
         if b > a and b > horizon:
             out = []
@@ -52,6 +53,14 @@ class RefTables:
                     s, e = cur, cur + (e - s)
                 moved.append((s, e, hh))
                 cur = max(cur, e)
+            if pull and old and b < old[0][1]:
+                # work-conserving: the intervals queued right behind the old one start sooner
+                old_end, new_end = old[0][1], b
+                for i, (s, e, hh) in enumerate(moved):
+                    if not (new_end < old_end and abs(s - old_end) <= 1e-6):
+                        break
+                    moved[i] = (new_end, e - (s - new_end), hh)
+                    old_end, new_end = e, e - (s - new_end)
             row = before + [(a, b, h)] + moved
             row.sort(key=lambda x: x[0])
         self.rows[r] = row
@@ -90,13 +99,22 @@ class RefScheduler:
     when deadlines tie the kernel may order them differently, so tests use distinct deadlines."""
 
     def __init__(self, layout: Layout, policy: str = "ppipe", min_wait_us: float = 1.0,
-                 wait_guard_us: float = 0.0, early_drop: bool = False):
+                 wait_guard_us: float = 0.0, early_drop: bool = False, margin_quantile: float = 0.9,
+                 margin_step: float = 0.02, margin_max: float = 4.0, work_conserving: bool = True,
+                 pard: bool = False):
         self.L = layout
         self.policy = policy
         self.min_wait = min_wait_us
         self.guard = wait_guard_us
         self.early = early_drop
         self.T = RefTables(layout.num_resources)
+        self.margin = [1.0] * layout.num_vgpus
+        # per vGPU, (handle, reserved length) of its last 16 inference reservations by sequence
+        self.recent = [[(-1, 0.0)] * 16 for _ in range(layout.num_vgpus)]
+        self.mq, self.mstep, self.mmax = margin_quantile, margin_step, margin_max
+        self.pull = work_conserving
+        self.pard = pard
+        self.hbf_until = [-INF] * len(layout.models)
         M, P = len(layout.models), layout.num_pools
         self.queues: list[list[RefRequest]] = [[] for _ in range(M + P)]
         self.alive = [True] * layout.num_vgpus
@@ -154,8 +172,9 @@ class RefScheduler:
                         s = max(clash)
                     tx = s
                     ready = tx + T
-                s = self.T.earliest([v], ready, lat)
-                f = s + lat
+                lv = lat * self.margin[v]
+                s = self.T.earliest([v], ready, lv)
+                f = s + lv
                 # score: when the output can leave (the uplink free for the next transfer after
                 # the finish; the finish itself in the last pool); ties: the earlier finish, the
                 # vGPU whose server uplink frees first, then the lowest id
@@ -165,14 +184,14 @@ class RefScheduler:
                 u = max(max((e for _, e, _ in up), default=-INF), t)
                 key = (c, f, u, v)
                 if best is None or key < best[0]:
-                    best = (key, v, tx, s)
-            (_, f, _, _), v, tx, s = best
+                    best = (key, v, tx, s, lv)
+            (_, f, _, _), v, tx, s, lv = best
             sv = int(L.v_server[v])
             if tx is not None:
                 tent += [(self._up(prev_s), tx, tx + T), (self._down(sv), tx, tx + T)]
                 busy += T
-            busy += lat
-            hops.append((v, tx, T, s, lat))
+            busy += lv
+            hops.append((v, tx, T, s, lv))
             t, prev_s = f, sv
         return t, t - now - busy, hops
 
@@ -212,6 +231,13 @@ class RefScheduler:
             chosen, fin, hops, fmin = 0, f_b, hops_b, f_b
             if f_b <= dh:
                 chosen = B
+            elif self.pard and (n >= B or self.hbf_until[m] > now):
+                # PARD: overloaded; keep the batch full, drop what it cannot serve in time and
+                # take from the high-budget end for the model's SLO
+                self.hbf_until[m] = now + float(L.slo_us[m])
+                while q and q[0].deadline < f_b:
+                    drops.append((q.pop(0).rid, "early-drop"))
+                continue
             elif not self.early:
                 for b in range(B - 1, 0, -1):
                     f, _, h = self.probe(p, b, now)
@@ -239,10 +265,13 @@ class RefScheduler:
                     for r, kind in ((self._up(prev_s), 1), (self._down(sv), 2)):
                         self.T.insert(r, tx, tx + T, self._handle(r))
                         d.reservations.append((r, kind, tx, tx + T))
-                self.T.insert(v, s, s + lat, self._handle(v))
+                h = self._handle(v)
+                self.T.insert(v, s, s + lat, h)
+                self.recent[v][(h >> 20) % 16] = (h, lat)
                 d.reservations.append((v, 0, s, s + lat))
                 prev_s = sv
-            d.rids = [q.pop(0).rid for _ in range(take)]
+            hbf = self.pard and self.hbf_until[m] > now
+            d.rids = [q.pop(-1 if hbf else 0).rid for _ in range(take)]
             out.append(d)
         return INF
 
@@ -292,8 +321,11 @@ class RefScheduler:
     def report(self, h: int, a: float, b: float) -> None:
         r = h & ((1 << 20) - 1)
         if self.policy == "ppipe":
-            horizon = INF if r < self.L.num_vgpus and not self.alive[r] else self.last_now
-            self.T.correct(r, h, a, b, horizon)
+            V = self.L.num_vgpus
+            horizon = INF if r < V and not self.alive[r] else self.last_now
+            self.T.correct(r, h, a, b, horizon, self.pull and r < V)
+            if r < V and self.alive[r] and b > a and self.mstep > 0:
+                self._learn(r, h, b - a)
             return
         if r not in self.busy or self.busy[r][0] != h:
             return
@@ -308,6 +340,15 @@ class RefScheduler:
                 self._push(M + pool + 1, req)
             else:
                 self._push(int(self.L.v_model[r]) if stage0 else M + pool, req)
+
+    def _learn(self, v: int, h: int, took: float) -> None:
+        """The margin: a step towards the quantile of measured / profiled latency."""
+        hh, reserved = self.recent[v][(h >> 20) % 16]
+        if hh == h and reserved > 0:
+            m = self.margin[v]
+            x = took / reserved * m
+            m *= math.exp(self.mstep * self.mq) if x > m * (1 + 1e-9) else math.exp(-self.mstep * (1 - self.mq))
+            self.margin[v] = min(max(m, 1.0), self.mmax)
 
     def set_alive(self, v: int, alive: bool) -> None:
         if self.alive[v] == alive:

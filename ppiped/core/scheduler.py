@@ -22,20 +22,24 @@ class Policy:
     ``early_drop``: Nexus-style; keep the planned batch size and drop the requests it cannot
     serve in time instead of shrinking the batch (reserve policies only).
     ``take``: which end of the deadline DEPQ a batch is taken from; only ``"min"`` (earliest
-    deadline first) is implemented. PARD's High-Budget-First would take from ``"max"``: the
-    DEPQ has pop-max, the decision kernel is where it plugs in.
+    deadline first) is a fixed choice.
+    ``pard``: PARD's proactive dropping on the whole path's estimate when a full batch cannot
+    meet the oldest deadline under load, and high-budget-first (the DEPQ's max end) for the
+    model's SLO after each such drop (delayed transition back to earliest-deadline-first).
     """
 
     name: str
     reserve: bool = True
     early_drop: bool = False
     take: str = "min"
+    pard: bool = False
 
 
 POLICIES = {
     "ppipe": Policy("ppipe"),
     "reactive": Policy("reactive", reserve=False),
     "ppipe-early-drop": Policy("ppipe-early-drop", early_drop=True),
+    "pard": Policy("pard", pard=True),
 }
 
 DROP_REASONS = {S.DROP_DEADLINE: "deadline", S.DROP_NO_CAPACITY: "no-capacity", S.DROP_EARLY: "early-drop"}
@@ -155,6 +159,8 @@ class Scheduler:
 
     def __init__(self, plan: Plan, profiles: dict[str, Profile], policy: str | Policy = "ppipe",
                  layout: Layout | None = None, *, min_wait_us: float = 1.0, wait_guard_us: float = 0.0,
+                 margin_quantile: float = 0.9, margin_step: float = 0.02, margin_max: float = 4.0,
+                 work_conserving: bool = True,
                  table_capacity: int = 32, queue_capacity: int = 256, request_slots: int = 1024):
         if isinstance(policy, str):
             if policy not in POLICIES:
@@ -162,6 +168,10 @@ class Scheduler:
             policy = POLICIES[policy]
         if policy.take != "min":
             raise ValueError(f"policy {policy.name}: take={policy.take!r} is not implemented (only 'min')")
+        if not 0.0 < margin_quantile < 1.0:
+            raise ValueError(f"margin_quantile must be in (0, 1), got {margin_quantile}")
+        if margin_step < 0.0 or margin_max < 1.0:
+            raise ValueError(f"margin_step must be >= 0 and margin_max >= 1 (got {margin_step}, {margin_max})")
         if policy.early_drop and not policy.reserve:
             raise ValueError(f"policy {policy.name}: early_drop needs reserve=True")
         self.plan = plan
@@ -196,6 +206,15 @@ class Scheduler:
         a.A[S.H_EARLY] = int(policy.early_drop)
         a.F[S.F_MIN_WAIT] = min_wait_us
         a.F[S.F_GUARD] = wait_guard_us
+        a.F[S.F_MARGIN_Q] = margin_quantile
+        a.F[S.F_MARGIN_STEP] = margin_step
+        a.F[S.F_MARGIN_MAX] = margin_max
+        a.view("v_margin")[:] = 1.0
+        a.view("v_rh")[:] = -1
+        a.view("q_hbf")[:] = -np.inf
+        a.view("m_hold")[:] = lay.slo_us
+        a.A[S.H_PARD] = int(policy.pard)
+        a.A[S.H_PULL] = int(work_conserving)
         a.F[S.F_LAST_NOW] = -np.inf
         a.F[S.F_WAKE] = np.inf
         self._arena = a

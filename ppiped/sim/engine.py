@@ -437,7 +437,7 @@ def _nv(a):
 def run_loop(A, si, sf, arr_t, arr_m, slo, miss_allow, v_pool, v_server, lat, tin,
              nic_s, nic_e, nic_n, nic_busy,
              et, es, ex, bi, bhi, bhf, breq, j_next,
-             v_head, v_run, v_timer, v_busy, r_state, r_end, miss, rb_h, rb_f, tl_i, tl_f):
+             v_head, v_run, v_timer, v_busy, r_state, r_end, r_gpu, miss, rb_h, rb_f, tl_i, tl_f):
     """Run until every request has ended (DONE), the miss budget is spent (STOPPED), or an array
     is full (a core ``FULL_*`` status or ``SIM_FULL_*``): then grow it and call again."""
     # owner-less views of every array (see kernels.state.raw): numba reference-counts owned
@@ -472,6 +472,7 @@ def run_loop(A, si, sf, arr_t, arr_m, slo, miss_allow, v_pool, v_server, lat, ti
     v_busy = _nv(v_busy)
     r_state = _nv(r_state)
     r_end = _nv(r_end)
+    r_gpu = _nv(r_gpu)
     miss = _nv(miss)
     rb_h = _nv(rb_h)
     rb_f = _nv(rb_f)
@@ -529,6 +530,9 @@ def run_loop(A, si, sf, arr_t, arr_m, slo, miss_allow, v_pool, v_server, lat, ti
                     start = bhf[b, k, HF_START]
                     _buffer_report(si, rb_h, rb_f, bhi[b, k, HI_INFER], start, now)
                     bs = bi[b, BI_BS]
+                    share = (now - start) / bs  # GPU time per request, for the invalid rate
+                    for i in range(bs):
+                        r_gpu[breq[b, i]] += share
                     if sf[G_TL_LO] <= start < sf[G_TL_HI]:
                         n = si[I_TL_N]
                         if n < tl_i.shape[0]:

@@ -27,6 +27,13 @@ class ModelResult:
     unfinished: int  # still pending when the run stopped early (0 for a full run)
     p50_ms: float  # latency of completed requests (late ones included)
     p99_ms: float
+    goodput_rps: float = 0.0  # completed within the SLO per simulated second
+    invalid_rate: float = 0.0  # GPU time on requests that ended late or dropped after starting / all
+
+    @property
+    def drop_rate(self) -> float:
+        """Dropped / offered."""
+        return sum(self.drops.values()) / self.offered if self.offered else 0.0
 
     @property
     def attainment(self) -> float:
@@ -71,7 +78,8 @@ class SimResult:
             "models": [
                 {"model": m.model, "rate_rps": m.rate_rps, "offered": m.offered,
                  "attainment": m.attainment, "served": m.served, "late": m.late, "drops": m.drops,
-                 "unfinished": m.unfinished, "p50_ms": m.p50_ms, "p99_ms": m.p99_ms}
+                 "unfinished": m.unfinished, "p50_ms": m.p50_ms, "p99_ms": m.p99_ms,
+                 "goodput_rps": m.goodput_rps, "drop_rate": m.drop_rate, "invalid_rate": m.invalid_rate}
                 for m in self.models
             ],
             "utilization": self.utilization,
@@ -87,11 +95,12 @@ class SimResult:
     def summary(self) -> str:
         lines = [f"{self.plan}  policy={self.policy}  {self.duration_s:g} s  seed={self.seed}  "
                  f"jitter σ={self.jitter_sigma:g}" + ("  (stopped early: below target)" if self.stopped else "")]
-        lines.append(f"{'model':<44} {'rate/s':>8} {'offered':>8} {'attain%':>8} {'late':>6} "
-                     f"{'dropped':>8} {'p50 ms':>8} {'p99 ms':>8}")
+        lines.append(f"{'model':<44} {'rate/s':>8} {'offered':>8} {'attain%':>8} {'goodput/s':>9} {'late':>6} "
+                     f"{'dropped':>8} {'invalid%':>8} {'p50 ms':>8} {'p99 ms':>8}")
         for m in self.models:
             lines.append(f"{m.model[:44]:<44} {m.rate_rps:8.1f} {m.offered:8d} {100 * m.attainment:8.2f} "
-                         f"{m.late:6d} {sum(m.drops.values()):8d} {m.p50_ms:8.2f} {m.p99_ms:8.2f}")
+                         f"{m.goodput_rps:9.1f} {m.late:6d} {sum(m.drops.values()):8d} "
+                         f"{100 * m.invalid_rate:8.2f} {m.p50_ms:8.2f} {m.p99_ms:8.2f}")
         util = "  ".join(f"{g} {100 * u:.1f}%" for g, u in self.utilization.items())
         c = self.counters
         ppd = c["probes"] / c["dispatches"] if c["dispatches"] else 0.0
@@ -105,8 +114,12 @@ class SimResult:
 
 
 def model_results(names: list[str], rates: np.ndarray, arr_t: np.ndarray, arr_m: np.ndarray,
-                  slo_us: np.ndarray, r_state: np.ndarray, r_end: np.ndarray) -> list[ModelResult]:
-    """Per-model attainment, lateness, drops by reason and latency percentiles."""
+                  slo_us: np.ndarray, r_state: np.ndarray, r_end: np.ndarray, r_gpu: np.ndarray | None = None,
+                  duration_s: float = 0.0) -> list[ModelResult]:
+    """Per-model attainment, goodput, lateness, drops by reason, invalid rate and latency
+    percentiles. The invalid rate is the share of the model's GPU time spent on requests that
+    ended late or were dropped after a batch had started on them (``r_gpu``: GPU µs per
+    request)."""
     out = []
     for m, name in enumerate(names):
         sel = arr_m == m
@@ -116,8 +129,17 @@ def model_results(names: list[str], rates: np.ndarray, arr_t: np.ndarray, arr_m:
         late = int(np.count_nonzero(lat > slo_us[m] + LATE_EPS_US))
         drops = {why: int(np.count_nonzero(st == R_SERVED + code)) for code, why in sorted(DROP_REASONS.items())}
         p50, p99 = (np.percentile(lat, [50, 99]) / 1e3) if len(lat) else (np.nan, np.nan)
-        out.append(ModelResult(name, int(sel.sum()), float(rates[m]), int(done.sum()) - late, late, drops,
-                               int(np.count_nonzero(st == R_PENDING)), float(p50), float(p99)))
+        served = int(done.sum()) - late
+        invalid = 0.0
+        if r_gpu is not None:
+            g = r_gpu[sel]
+            ok = np.zeros(len(st), dtype=bool)
+            ok[np.flatnonzero(done)[lat <= slo_us[m] + LATE_EPS_US]] = True
+            total = float(g.sum())
+            invalid = float(g[~ok].sum()) / total if total > 0 else 0.0
+        out.append(ModelResult(name, int(sel.sum()), float(rates[m]), served, late, drops,
+                               int(np.count_nonzero(st == R_PENDING)), float(p50), float(p99),
+                               served / duration_s if duration_s > 0 else 0.0, invalid))
     return out
 
 

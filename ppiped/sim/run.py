@@ -32,7 +32,9 @@ class SimOptions:
 
     ``sigma``: log-sd of the lognormal latency jitter (median 1; 0 = exactly the profile).
     ``start_early_us``: how long before its reserved start an executor may start a batch
-    (0, as the daemon's default: never early; ``inf``: work-conserving).
+    (``inf``, the default, as the daemon's executors: work-conserving, and the core pulls a
+    vGPU's queue forward when a batch ends early; 0: never before the reserved start).
+    ``margin_quantile`` / ``margin_step``: the core's latency margins (see ``Scheduler``).
     ``gc_every_us`` / ``gc_lag_us``: the core's tables are GC'd every ``gc_every_us`` of simulated
     time, of intervals that ended ``gc_lag_us`` before (the daemon: every 100 ms heartbeat, 1 ms lag; 10 ms measured fastest here).
     ``stop_below``: stop as soon as some model's attainment can no longer reach this (sweeps
@@ -48,7 +50,7 @@ class SimOptions:
     """
 
     sigma: float = DEFAULT_SIGMA
-    start_early_us: float = 0.0
+    start_early_us: float = math.inf
     gc_every_us: float = 10_000.0
     gc_lag_us: float = 1000.0
     stop_below: float | None = None
@@ -56,6 +58,8 @@ class SimOptions:
     nic_fifo: bool = True
     min_wait_us: float = 1.0
     wait_guard_us: float = 0.0
+    margin_quantile: float = 0.9
+    margin_step: float = 0.02
 
 
 class Simulation:
@@ -69,7 +73,9 @@ class Simulation:
             raise ValueError(f"jitter sigma must be >= 0, got {opt.sigma}")
         self.plan, self.options, self.seed = plan, opt, int(seed)
         self.sched = Scheduler(plan, profiles, policy, layout, min_wait_us=opt.min_wait_us,
-                               wait_guard_us=opt.wait_guard_us)
+                               wait_guard_us=opt.wait_guard_us, margin_quantile=opt.margin_quantile,
+                               margin_step=opt.margin_step,
+                               work_conserving=math.isinf(opt.start_early_us))
         lay = self.layout = self.sched.layout
         M = len(lay.models)
         t = np.ascontiguousarray(trace.times_us, dtype=np.float64)
@@ -125,6 +131,7 @@ class Simulation:
         self.v_busy = np.zeros(V)
         self.r_state = np.zeros(N, dtype=np.int64)
         self.r_end = np.full(N, np.nan)
+        self.r_gpu = np.zeros(N)  # GPU µs spent on each request (its share of every batch it rode)
         self.miss = np.zeros(M, dtype=np.int64)
         self.rb_h = np.zeros(E.RB_CAP, dtype=np.int64)
         self.rb_f = np.zeros((E.RB_CAP, 2))
@@ -185,7 +192,7 @@ class Simulation:
                 self.sched._A, self.si, self.sf, self.arr_t, self.arr_m, self.slo, self.miss_allow,
                 self.v_pool, self.v_server, self.lat, self.tin, self.nic_s, self.nic_e, self.nic_n, self.nic_busy, self.et, self.es,
                 self.ex, self.bi, self.bhi, self.bhf, self.breq, self.j_next, self.v_head, self.v_run, self.v_timer, self.v_busy, self.r_state,
-                self.r_end, self.miss, self.rb_h, self.rb_f, self.tl_i, self.tl_f)
+                self.r_end, self.r_gpu, self.miss, self.rb_h, self.rb_f, self.tl_i, self.tl_f)
             if st in (E.DONE, E.STOPPED):
                 break
             self._grow(st)
@@ -199,7 +206,8 @@ class Simulation:
         counters.update(events=int(self.si[E.I_EVENTS]), inferences=int(self.si[E.I_USES]),
                         ended_twice=int(self.si[E.I_TWICE]), max_batches_in_flight=int(self.si[E.I_MAX_INFL]))
         rates = self.offered / self.duration_s if self.duration_s > 0 else np.zeros(len(self.offered))
-        models = model_results(lay.models, rates, self.arr_t, self.arr_m, self.slo, self.r_state, self.r_end)
+        models = model_results(lay.models, rates, self.arr_t, self.arr_m, self.slo, self.r_state, self.r_end,
+                               self.r_gpu, self.duration_s)
         util = utilization(lay.gpu_types, lay.v_gpu_type, self.v_busy, self.duration_s * 1e6)
         n = len(self.arr_t)
         dec = max(1, counters["decisions"])
@@ -278,13 +286,13 @@ def v4_sibling(path: str | Path) -> Path:
 
 
 def load_factor_trace(plan: Plan, rates_at_1: np.ndarray, load_factor: float, kind: str,
-                      duration_s: float, seed: int, cv: float = 4.0, trace_scale: str = "stretch") -> Trace:
+                      duration_s: float, seed: int, cv: float = 2.0, trace_scale: str = "stretch") -> Trace:
     return generate(kind, list(load_factor * rates_at_1), duration_s, seed, cv, trace_scale)
 
 
 def run_load_factor(plan_path: str | Path, profiles: dict[str, Profile], load_factor: float,
                     kind: str = "poisson", duration_s: float = 30.0, seed: int = 0,
-                    policy: str = "ppipe", jitter: float = DEFAULT_SIGMA, cv: float = 4.0,
+                    policy: str = "ppipe", jitter: float = DEFAULT_SIGMA, cv: float = 2.0,
                     base_plan: str | Path | None = None, options: SimOptions | None = None,
                     cache: dict | None = None, trace_scale: str = "stretch") -> SimResult:
     """Simulate a plan file at ``load_factor`` x the base plan's per-model throughput.
@@ -338,8 +346,8 @@ class PointSpec:
     seed: int = 0
     policy: str = "ppipe"
     sigma: float = DEFAULT_SIGMA
-    cv: float = 4.0
-    start_early_us: float = 0.0
+    cv: float = 2.0
+    start_early_us: float = math.inf
     base_plan: str | None = None
     stop_below: float | None = None
     nic_fifo: bool = True

@@ -2,7 +2,10 @@
 
 The search is generic over a ``run(load_factor) -> min attainment`` function, so the same
 search serves the simulator, the figure-6 bench and (later) sweeps against a live daemon.
-Attainment is assumed to fall as load rises; the search steps up coarsely and then bisects.
+The search steps up coarsely and then bisects. Attainment need not fall monotonically as load
+rises (at very low load a policy that waits to fill batches can lose requests to latency noise
+that it would not lose at a higher load): points below the answer that miss the target are
+kept as ``dips`` and do not stop the search.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ class SweepResult:
 
     def curve(self) -> list[tuple[float, float]]:
         return sorted(self.points.items())
+
+    def dips(self, target: float) -> list[float]:
+        """Load factors below the answer whose attainment missed ``target``."""
+        return [f for f, a in self.curve() if f < self.max_load_factor and a < target]
 
 
 def sweep(
@@ -81,9 +88,10 @@ def sweep(
         for f in batch:
             if points[f] >= target:
                 ok = f
-            else:
+            elif ok > 0:
                 bad = f
                 break
+            # else: a dip before the first passing load factor; keep stepping up
         k += len(batch)
     if bad is None:
         return SweepResult(ok, points)

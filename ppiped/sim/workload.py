@@ -48,7 +48,7 @@ def poisson(rate_rps: float, duration_s: float, rng: np.random.Generator) -> np.
     return _renewal(lambda n: rng.exponential(1e6 / rate_rps, n), rate_rps, duration_s, rng)
 
 
-def gamma_bursty(rate_rps: float, duration_s: float, rng: np.random.Generator, cv: float = 4.0) -> np.ndarray:
+def gamma_bursty(rate_rps: float, duration_s: float, rng: np.random.Generator, cv: float = 2.0) -> np.ndarray:
     """Gamma renewal process: mean rate ``rate_rps``, coefficient of variation ``cv`` of the gaps.
 
     cv = 1 is Poisson; cv = 4 (the default, as in the bursty workloads of the PPipe and Nexus
@@ -140,7 +140,7 @@ def _fold(starts: np.ndarray, rate_rps: float, duration_s: float, path: Path) ->
 
 
 def generate(kind: str, rates_rps: Sequence[float], duration_s: float, seed: int,
-             cv: float = 4.0, trace_scale: str = "stretch") -> Trace:
+             cv: float = 2.0, trace_scale: str = "stretch") -> Trace:
     """Arrivals for several models at once; ``kind`` is poisson, bursty or a trace file path
     (replayed per ``trace_scale``, see :func:`azure_functions`)."""
     rng = np.random.default_rng(seed)
