@@ -25,6 +25,7 @@ from .state import (
     F_LAST_NOW,
     F_MARGIN_MAX,
     F_MARGIN_Q,
+    F_MARGIN_QHI,
     F_MARGIN_STEP,
     F_MIN_WAIT,
     F_WAKE,
@@ -141,7 +142,9 @@ from .state import (
     X_TIN,
     X_V_ALIVE,
     X_V_BUSY,
+    X_PR_LPROF,
     X_V_MARGIN,
+    X_V_MARGIN_HI,
     X_V_RH,
     X_V_RLEN,
     X_V_POOL,
@@ -214,8 +217,8 @@ def _better(c, f, u, v, best_c, best_f, best_u, best_v):
         u < best_u or (u == best_u and v < best_v)))))
 
 
-@njit(types.Tuple((i8, f8, f8, b1, f8, f8))(I1, F1, TB, i8, i8, i8, f8, f8, f8, i8, f8), cache=True)
-def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn):
+@njit(types.Tuple((i8, f8, f8, b1, f8, f8))(I1, F1, TB, i8, i8, i8, f8, f8, f8, i8, f8, i8), cache=True)
+def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn, o_mg):
     """Hop ``k`` of a probe: the live vGPU of ``pool`` whose output can leave first.
 
     A vGPU's score is its inference finish, or, when a transfer of ``Tn`` follows this pool
@@ -243,7 +246,6 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn):
     o_dv = off(A, X_SCAN_V)
     o_dr = off(A, X_SCAN_READY)
     o_dt = off(A, X_SCAN_TX)
-    o_mg = off(A, X_V_MARGIN)
     best_c = INF
     best_f = INF
     best_v = -1
@@ -358,6 +360,9 @@ def probe(A, F, p, b, now, buf):
     npools = A[off(A, X_PIPE_NPOOLS) + p]
     A[H_CT_PROBES] += 1
     A[H_CALL_PROBES] += 1
+    # margins at the high quantile while the model is under pressure (see _ppipe_queue)
+    m = A[off(A, X_PIPE_MODEL) + p]
+    o_mg = off(A, X_V_MARGIN_HI) if F[off(A, X_Q_HBF) + m] > now else off(A, X_V_MARGIN)
     t = now
     prev_s = -1
     busy = 0.0
@@ -370,7 +375,7 @@ def probe(A, F, p, b, now, buf):
             return INF, INF
         Tn = F[o_tin + (pool + 1) * B + b - 1] if k + 1 < npools else 0.0
         best_v, best_f, best_s, best_has_tx, best_tx, Lr = _scan_pool(A, F, tb, pool, k, prev_s, t, T, L,
-                                                                      nt, Tn)
+                                                                      nt, Tn, o_mg)
         if best_v < 0:
             return INF, INF
         sv = A[o_vs + best_v]
@@ -379,6 +384,7 @@ def probe(A, F, p, b, now, buf):
         F[off(A, X_PR_TX) + j] = best_tx
         F[off(A, X_PR_INF) + j] = best_s
         F[off(A, X_PR_LDUR) + j] = Lr
+        F[off(A, X_PR_LPROF) + j] = L
         if best_has_tx:
             F[off(A, X_PR_TDUR) + j] = T
             busy += T
@@ -417,10 +423,6 @@ def _emit_res(A, F, r, kind, hop, v, s, e, table):
     A[H_CT_RESERVE] += 1
     if table:
         insert(F, A, tables_desc(A), r, s, e, h)
-        if kind == KIND_INFER:
-            j = r * RK + seq % RK
-            A[off(A, X_V_RH) + j] = h
-            F[off(A, X_V_RLEN) + j] = e - s
     i = A[H_OUT_NR]
     A[off(A, X_OR_HANDLE) + i] = h
     A[off(A, X_OR_RES) + i] = r
@@ -530,7 +532,10 @@ def _commit_ppipe(A, F, m, p, take, buf, fin, now, from_max):
             _emit_res(A, F, V + 2 * prev_s, KIND_UPLINK, k, v, tx, tx + T, True)
             _emit_res(A, F, V + 2 * sv + 1, KIND_DOWNLINK, k, v, tx, tx + T, True)
         s = F[o_inf + k]
-        _emit_res(A, F, v, KIND_INFER, k, v, s, s + F[o_ld + k], True)
+        h = _emit_res(A, F, v, KIND_INFER, k, v, s, s + F[o_ld + k], True)
+        j = v * RK + (h >> HANDLE_SHIFT) % RK
+        A[off(A, X_V_RH) + j] = h
+        F[off(A, X_V_RLEN) + j] = F[off(A, X_PR_LPROF) + buf * K + k]
         prev_s = sv
     dq = queues_desc(A)
     for _ in range(take):
@@ -598,11 +603,12 @@ def _ppipe_queue(A, F, m, now):
         if best_f <= dh:
             chosen = B
         elif pard and (n >= B or F[o_hbf + m] > now):
-            F[o_hbf + m] = now + F[off(A, X_M_HOLD) + m]
             while A[o_qs + m] > 0 and F[o_dl + peek_min(A, dq, m)] < best_f:
                 if A[H_OUT_NX] >= A[H_OX]:
                     return FULL_OUT
                 _emit_drop(A, pop_min(F, A, dq, m), DROP_EARLY)
+            # (set once the drops are out, so that a call repeated after FULL_OUT probes alike)
+            F[o_hbf + m] = now + F[off(A, X_M_HOLD) + m]
             continue
         elif not early:
             cur = 1 - bbuf
@@ -621,6 +627,7 @@ def _ppipe_queue(A, F, m, now):
                 if A[H_OUT_NX] >= A[H_OX]:
                     return FULL_OUT
                 _emit_drop(A, pop_min(F, A, dq, m), reason)
+            F[o_hbf + m] = now + F[off(A, X_M_HOLD) + m]  # under pressure for a while
             continue
         take = chosen
         buf = cbuf
@@ -887,41 +894,50 @@ def cancel(A, rid, model):
 
 
 @njit(f8(I1, F1, i8, i8), cache=True)
-def _reserved_len(A, F, v, h):
-    """Reserved length of inference ``h`` on vGPU ``v`` (0 if it is older than the last RK).
-    Kept apart from the tables, whose entries GC and table growth may have dropped."""
+def _profiled_len(A, F, v, h):
+    """Profiled latency of inference ``h`` on vGPU ``v`` (0 if it is older than the last RK).
+    Kept apart from the tables, whose entries GC may already have dropped."""
     j = v * RK + (h >> HANDLE_SHIFT) % RK
     if A[off(A, X_V_RH) + j] != h:
         return 0.0
     return F[off(A, X_V_RLEN) + j]
 
 
-@njit(none(I1, F1, i8, f8, f8), cache=True)
-def _learn_margin(A, F, v, reserved, took):
-    """Move vGPU ``v``'s margin towards the ``F_MARGIN_Q`` quantile of its measured / profiled
-    latency, from a use that took ``took`` µs of a ``reserved`` µs reservation.
-
-    Why a margin: executors' latency wanders (clocks, MPS neighbours, PCIe); a reservation of
-    exactly the profiled time makes every overrun push the batches queued behind it, and their
-    downstream transfers, past their deadlines. Why this estimator: a multiplicative
-    stochastic-approximation step (up by ``step * q`` when a use overran the margin, down by
-    ``step * (1 - q)`` otherwise) settles where a fraction ``q`` of uses fit, costs O(1) per
-    report and follows drift; the margin never goes below 1 (the profile) or above
-    ``F_MARGIN_MAX``. The profiled length is the reserved length over the margin in force,
-    which moves slowly enough to stand in for the one in force when it was reserved.
-    """
-    if reserved <= 0.0:
-        return
-    o = off(A, X_V_MARGIN) + v
+@njit(cache=True, inline="always")
+def _quantile_step(F, o, x, q, step, hi):
+    """One multiplicative stochastic-approximation step of the estimate at ``F[o]`` towards
+    the ``q`` quantile of the samples ``x``, kept within [1, ``hi``]."""
     m = F[o]
-    x = took / reserved * m
-    q = F[F_MARGIN_Q]
-    step = F[F_MARGIN_STEP]
     if x > m * (1.0 + 1e-9):
         m *= np.exp(step * q)
     else:
         m *= np.exp(-step * (1.0 - q))
-    F[o] = min(max(m, 1.0), F[F_MARGIN_MAX])
+    F[o] = min(max(m, 1.0), hi)
+
+
+@njit(none(I1, F1, i8, f8, f8), cache=True)
+def _learn_margin(A, F, v, prof, took):
+    """Move vGPU ``v``'s margins towards the ``F_MARGIN_Q`` and ``F_MARGIN_QHI`` quantiles of
+    its measured / profiled latency, from a use that took ``took`` µs of a profiled ``prof``.
+
+    Why margins: executors' latency wanders (clocks, MPS neighbours, PCIe); a reservation of
+    exactly the profiled time makes every overrun push the batches queued behind it, and their
+    downstream transfers, past their deadlines. Why two: at light load gaps between
+    reservations absorb most overruns and a lower quantile keeps the finish estimates, and so
+    admission, close to the truth; under pressure every resource is booked back to back, each
+    overrun cascades, and a high quantile keeps the served requests on time (work-conserving
+    executors and pulls keep the capacity). Why this estimator: a multiplicative
+    stochastic-approximation step (up by ``step * q`` when a use overran the margin, down by
+    ``step * (1 - q)`` otherwise) settles where a fraction ``q`` of uses fit, costs O(1) per
+    report and follows drift; a margin stays within [1, ``F_MARGIN_MAX``].
+    """
+    if prof <= 0.0:
+        return
+    x = took / prof
+    step = F[F_MARGIN_STEP]
+    hi = F[F_MARGIN_MAX]
+    _quantile_step(F, off(A, X_V_MARGIN) + v, x, F[F_MARGIN_Q], step, hi)
+    _quantile_step(F, off(A, X_V_MARGIN_HI) + v, x, F[F_MARGIN_QHI], step, hi)
 
 
 @njit(i8(I1, F1, i8, f8, f8), cache=True)
@@ -949,11 +965,11 @@ def _report_one(A, F, h, a, b):
     if r < A[H_V] and A[o_va + r] == 0:
         horizon = INF  # a removed vGPU keeps no reservations
     learn = r < A[H_V] and horizon < INF and b > a and F[F_MARGIN_STEP] > 0.0
-    reserved = _reserved_len(A, F, r, h) if learn else 0.0
+    prof = _profiled_len(A, F, r, h) if learn else 0.0
     if correct(F, A, tables_desc(A), r, h, a, b, horizon, A[H_PULL] != 0 and r < A[H_V]) != 0:
         return FULL_TABLE  # nothing changed, the margin included: the call is repeated
     if learn:
-        _learn_margin(A, F, r, reserved, b - a)
+        _learn_margin(A, F, r, prof, b - a)
     return OK
 
 

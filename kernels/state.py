@@ -85,6 +85,7 @@ F_GUARD = 51
 F_LAST_NOW = 52
 F_WAKE = 53
 F_MARGIN_Q = 54  # quantile of (measured / profiled) latency a vGPU's reservations cover
+F_MARGIN_QHI = 57  # the same while the vGPU's model is under pressure (it dropped lately)
 F_MARGIN_STEP = 55  # learning rate of that quantile (0: margins stay as set)
 F_MARGIN_MAX = 56  # cap on a vGPU's margin
 SEC_TABLE = 64
@@ -193,10 +194,12 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("ox_rid", "i", ("OX",)),
     ("ox_reason", "i", ("OX",)),
     ("v_margin", "f", ("V",)),
-    ("q_hbf", "f", ("Q",)),
+    ("q_hbf", "f", ("Q",)),  # per model: under pressure (it dropped) until then
     ("m_hold", "f", ("M",)),
     ("v_rh", "i", ("V", "RK")),
     ("v_rlen", "f", ("V", "RK")),
+    ("v_margin_hi", "f", ("V",)),
+    ("pr_lprof", "f", ("TWO", "K")),
 )
 # section indices, in SECTIONS order (tests check they agree)
 X_V_SERVER = 0
@@ -277,7 +280,9 @@ X_V_MARGIN = 74
 X_Q_HBF = 75
 X_M_HOLD = 76
 X_V_RH = 77  # per vGPU, the handles of its last RK inference reservations (a ring by sequence)
-X_V_RLEN = 78  # and their reserved lengths: what a report's margin update compares against
+X_V_RLEN = 78  # and their profiled lengths: what a report's margin update compares against
+X_V_MARGIN_HI = 79
+X_PR_LPROF = 80  # profiled latency of each hop in the probe scratch (PR_LDUR: reserved)
 RK = 16
 
 SECTION_INDEX = {name: k for k, (name, _, _) in enumerate(SECTIONS)}

@@ -100,21 +100,23 @@ class RefScheduler:
 
     def __init__(self, layout: Layout, policy: str = "ppipe", min_wait_us: float = 1.0,
                  wait_guard_us: float = 0.0, early_drop: bool = False, margin_quantile: float = 0.9,
-                 margin_step: float = 0.02, margin_max: float = 4.0, work_conserving: bool = True,
-                 pard: bool = False):
+                 margin_quantile_hi: float = 0.99, margin_step: float = 0.02, margin_max: float = 4.0,
+                 work_conserving: bool = True, pard: bool = False):
         self.L = layout
         self.policy = policy
         self.min_wait = min_wait_us
         self.guard = wait_guard_us
         self.early = early_drop
         self.T = RefTables(layout.num_resources)
-        self.margin = [1.0] * layout.num_vgpus
+        # per vGPU, the margin at the low quantile (light load) and at the high one (pressure)
+        self.margin = [[1.0, 1.0] for _ in range(layout.num_vgpus)]
+        self.mqs = (margin_quantile, margin_quantile_hi)
         # per vGPU, (handle, reserved length) of its last 16 inference reservations by sequence
         self.recent = [[(-1, 0.0)] * 16 for _ in range(layout.num_vgpus)]
-        self.mq, self.mstep, self.mmax = margin_quantile, margin_step, margin_max
+        self.mstep, self.mmax = margin_step, margin_max
         self.pull = work_conserving
         self.pard = pard
-        self.hbf_until = [-INF] * len(layout.models)
+        self.hbf_until = [-INF] * len(layout.models)  # under pressure until (HBF too with pard)
         M, P = len(layout.models), layout.num_pools
         self.queues: list[list[RefRequest]] = [[] for _ in range(M + P)]
         self.alive = [True] * layout.num_vgpus
@@ -146,9 +148,11 @@ class RefScheduler:
         self.queues[q].sort(key=lambda x: (x.deadline, x.seq))
 
     def probe(self, p: int, b: int, now: float):
-        """(finish, waiting, hops) with hops = [(vgpu, transfer start or None, T, infer start, L)]."""
+        """(finish, waiting, hops) with hops = [(vgpu, transfer start or None, T, infer start, reserved L,
+        profiled L)]."""
         L = self.L
         t, prev_s, busy, hops = now, -1, 0.0, []
+        hi = int(self.hbf_until[int(L.pipe_model[p])] > now)
         tent: list[tuple[int, float, float]] = []
         for k in range(int(L.pipe_npools[p])):
             pool = int(L.pipe_pool0[p]) + k
@@ -172,7 +176,7 @@ class RefScheduler:
                         s = max(clash)
                     tx = s
                     ready = tx + T
-                lv = lat * self.margin[v]
+                lv = lat * self.margin[v][hi]
                 s = self.T.earliest([v], ready, lv)
                 f = s + lv
                 # score: when the output can leave (the uplink free for the next transfer after
@@ -191,7 +195,7 @@ class RefScheduler:
                 tent += [(self._up(prev_s), tx, tx + T), (self._down(sv), tx, tx + T)]
                 busy += T
             busy += lv
-            hops.append((v, tx, T, s, lv))
+            hops.append((v, tx, T, s, lv, lat))
             t, prev_s = f, sv
         return t, t - now - busy, hops
 
@@ -246,6 +250,7 @@ class RefScheduler:
                         chosen, fin, hops = b, f, h
                         break
             if chosen == 0:
+                self.hbf_until[m] = now + float(L.slo_us[m])
                 while q and q[0].deadline < fmin:
                     drops.append((q.pop(0).rid, "early-drop" if self.early else "deadline"))
                 continue
@@ -259,7 +264,7 @@ class RefScheduler:
                     fin, hops = fn, hn
             d = RefDispatch(m, p, 0, [h[0] for h in hops], True, [], fin)
             prev_s = -1
-            for v, tx, T, s, lat in hops:
+            for v, tx, T, s, lat, prof in hops:
                 sv = int(L.v_server[v])
                 if tx is not None:
                     for r, kind in ((self._up(prev_s), 1), (self._down(sv), 2)):
@@ -267,7 +272,7 @@ class RefScheduler:
                         d.reservations.append((r, kind, tx, tx + T))
                 h = self._handle(v)
                 self.T.insert(v, s, s + lat, h)
-                self.recent[v][(h >> 20) % 16] = (h, lat)
+                self.recent[v][(h >> 20) % 16] = (h, prof)
                 d.reservations.append((v, 0, s, s + lat))
                 prev_s = sv
             hbf = self.pard and self.hbf_until[m] > now
@@ -343,12 +348,13 @@ class RefScheduler:
 
     def _learn(self, v: int, h: int, took: float) -> None:
         """The margin: a step towards the quantile of measured / profiled latency."""
-        hh, reserved = self.recent[v][(h >> 20) % 16]
-        if hh == h and reserved > 0:
-            m = self.margin[v]
-            x = took / reserved * m
-            m *= math.exp(self.mstep * self.mq) if x > m * (1 + 1e-9) else math.exp(-self.mstep * (1 - self.mq))
-            self.margin[v] = min(max(m, 1.0), self.mmax)
+        hh, prof = self.recent[v][(h >> 20) % 16]
+        if hh == h and prof > 0:
+            x = took / prof
+            for i, q in enumerate(self.mqs):
+                m = self.margin[v][i]
+                m *= math.exp(self.mstep * q) if x > m * (1 + 1e-9) else math.exp(-self.mstep * (1 - q))
+                self.margin[v][i] = min(max(m, 1.0), self.mmax)
 
     def set_alive(self, v: int, alive: bool) -> None:
         if self.alive[v] == alive:

@@ -159,7 +159,8 @@ class Scheduler:
 
     def __init__(self, plan: Plan, profiles: dict[str, Profile], policy: str | Policy = "ppipe",
                  layout: Layout | None = None, *, min_wait_us: float = 1.0, wait_guard_us: float = 0.0,
-                 margin_quantile: float = 0.9, margin_step: float = 0.02, margin_max: float = 4.0,
+                 margin_quantile: float = 0.9, margin_quantile_hi: float = 0.99, margin_step: float = 0.02,
+                 margin_max: float = 4.0,
                  work_conserving: bool = True,
                  table_capacity: int = 32, queue_capacity: int = 256, request_slots: int = 1024):
         if isinstance(policy, str):
@@ -168,8 +169,9 @@ class Scheduler:
             policy = POLICIES[policy]
         if policy.take != "min":
             raise ValueError(f"policy {policy.name}: take={policy.take!r} is not implemented (only 'min')")
-        if not 0.0 < margin_quantile < 1.0:
-            raise ValueError(f"margin_quantile must be in (0, 1), got {margin_quantile}")
+        if not 0.0 < margin_quantile <= margin_quantile_hi < 1.0:
+            raise ValueError("margin quantiles must satisfy 0 < margin_quantile <= margin_quantile_hi < 1, "
+                             f"got {margin_quantile}, {margin_quantile_hi}")
         if margin_step < 0.0 or margin_max < 1.0:
             raise ValueError(f"margin_step must be >= 0 and margin_max >= 1 (got {margin_step}, {margin_max})")
         if policy.early_drop and not policy.reserve:
@@ -207,9 +209,11 @@ class Scheduler:
         a.F[S.F_MIN_WAIT] = min_wait_us
         a.F[S.F_GUARD] = wait_guard_us
         a.F[S.F_MARGIN_Q] = margin_quantile
+        a.F[S.F_MARGIN_QHI] = margin_quantile_hi
         a.F[S.F_MARGIN_STEP] = margin_step
         a.F[S.F_MARGIN_MAX] = margin_max
         a.view("v_margin")[:] = 1.0
+        a.view("v_margin_hi")[:] = 1.0
         a.view("v_rh")[:] = -1
         a.view("q_hbf")[:] = -np.inf
         a.view("m_hold")[:] = lay.slo_us
