@@ -24,6 +24,7 @@ from .state import (
     F_GUARD,
     F_LAST_NOW,
     F_MARGIN_MAX,
+    F_MARGIN_PRIOR,
     F_MARGIN_Q,
     F_MARGIN_QHI,
     F_MARGIN_STEP,
@@ -71,6 +72,7 @@ from .state import (
     KIND_DOWNLINK,
     KIND_INFER,
     KIND_UPLINK,
+    MARGIN_WARM,
     OK,
     POLICY_REACTIVE,
     RK,
@@ -82,7 +84,9 @@ from .state import (
     X_B_POOL,
     X_B_SLOTS,
     X_LAT,
+    X_M_GAP,
     X_M_HOLD,
+    X_M_LAST,
     X_MODEL_PIPE0,
     X_OD_BS,
     X_OD_FINAL,
@@ -117,6 +121,7 @@ from .state import (
     X_POOL_V0,
     X_PR_INF,
     X_PR_LDUR,
+    X_PR_LPROF,
     X_PR_TDUR,
     X_PR_TX,
     X_PR_VG,
@@ -142,12 +147,12 @@ from .state import (
     X_TIN,
     X_V_ALIVE,
     X_V_BUSY,
-    X_PR_LPROF,
     X_V_MARGIN,
     X_V_MARGIN_HI,
+    X_V_NREP,
+    X_V_POOL,
     X_V_RH,
     X_V_RLEN,
-    X_V_POOL,
     X_V_SERVER,
     b1,
     f8,
@@ -546,6 +551,27 @@ def _commit_ppipe(A, F, m, p, take, buf, fin, now, from_max):
     return OK
 
 
+@njit(f8(I1, F1, i8, i8, f8), cache=True)
+def _hi_allowance(A, F, p, buf, now):
+    """How much later the path in scratch ``buf`` would end with every hop at its vGPU's
+    high-quantile margin instead of the margin the probe used (0 under pressure: it used it).
+    A vGPU that has reported too few uses to know its quantile counts at ``F_MARGIN_PRIOR``."""
+    if F[off(A, X_Q_HBF) + A[off(A, X_PIPE_MODEL) + p]] > now:
+        return 0.0
+    K = A[H_K]
+    o_vg = off(A, X_PR_VG) + buf * K
+    o_lp = off(A, X_PR_LPROF) + buf * K
+    o_lo = off(A, X_V_MARGIN)
+    o_hi = off(A, X_V_MARGIN_HI)
+    o_n = off(A, X_V_NREP)
+    extra = 0.0
+    for k in range(A[off(A, X_PIPE_NPOOLS) + p]):
+        v = A[o_vg + k]
+        hi = F[o_hi + v] if A[o_n + v] >= MARGIN_WARM else max(F[o_hi + v], F[F_MARGIN_PRIOR])
+        extra += (hi - F[o_lo + v]) * F[o_lp + k]
+    return extra
+
+
 @njit(i8(I1, F1, i8, f8), cache=True)
 def _ppipe_queue(A, F, m, now):
     """PPipe Algorithm 1 for model ``m``'s queue, until it is empty or waiting.
@@ -632,13 +658,16 @@ def _ppipe_queue(A, F, m, now):
         take = chosen
         buf = cbuf
         fin = cfin
-        # 3b. too few requests: wait until the last moment that still meets the oldest deadline
+        # 3b. too few requests: wait for more, but only while more are expected to come (the
+        # model's mean arrival gap fits in the slack) and never past the moment that still
+        # meets the oldest deadline with the high-quantile margins: a batch held to the last
+        # moment of a light-load estimate is late whenever its path runs slow
         if n < chosen:
             take = n
             fn, w = probe(A, F, best_p, n, now, 1 - cbuf)
             if fn <= dh:
-                slack = dh - fn - guard
-                if slack >= min_wait:
+                slack = dh - fn - _hi_allowance(A, F, best_p, 1 - cbuf, now) - guard
+                if slack >= min_wait and slack >= F[off(A, X_M_GAP) + m]:
                     F[o_qw + m] = now + slack
                     return OK
                 buf = 1 - cbuf
@@ -851,6 +880,15 @@ def _enqueue(A, F, rid, model, arrival, deadline, prio):
     A[off(A, X_S_RID) + slot] = rid
     A[off(A, X_S_PRIO) + slot] = prio
     A[off(A, X_S_SRC) + slot] = -1
+    if model < A[H_M]:
+        # mean arrival gap (EWMA over arrivals), for the wait decision: requests of one message
+        # arrive together (gap 0), a lone request after a long pause raises it
+        o_last = off(A, X_M_LAST) + model
+        o_gap = off(A, X_M_GAP) + model
+        if F[o_last] > -INF:
+            gap = max(arrival - F[o_last], 0.0)
+            F[o_gap] = gap if F[o_gap] == INF else 0.75 * F[o_gap] + 0.25 * gap
+        F[o_last] = max(F[o_last], arrival)
     push(F, A, queues_desc(A), model, slot)
     A[off(A, X_Q_DIRTY) + model] = 1
     return OK
@@ -934,6 +972,7 @@ def _learn_margin(A, F, v, prof, took):
     if prof <= 0.0:
         return
     x = took / prof
+    A[off(A, X_V_NREP) + v] += 1
     step = F[F_MARGIN_STEP]
     hi = F[F_MARGIN_MAX]
     _quantile_step(F, off(A, X_V_MARGIN) + v, x, F[F_MARGIN_Q], step, hi)

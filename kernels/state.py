@@ -88,6 +88,7 @@ F_MARGIN_Q = 54  # quantile of (measured / profiled) latency a vGPU's reservatio
 F_MARGIN_QHI = 57  # the same while the vGPU's model is under pressure (it dropped lately)
 F_MARGIN_STEP = 55  # learning rate of that quantile (0: margins stay as set)
 F_MARGIN_MAX = 56  # cap on a vGPU's margin
+F_MARGIN_PRIOR = 58  # high-quantile margin assumed for a vGPU that has reported fewer than MARGIN_WARM uses
 SEC_TABLE = 64
 
 POLICY_PPIPE = 0
@@ -200,6 +201,9 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("v_rlen", "f", ("V", "RK")),
     ("v_margin_hi", "f", ("V",)),
     ("pr_lprof", "f", ("TWO", "K")),
+    ("m_last", "f", ("M",)),
+    ("m_gap", "f", ("M",)),
+    ("v_nrep", "i", ("V",)),
 )
 # section indices, in SECTIONS order (tests check they agree)
 X_V_SERVER = 0
@@ -283,7 +287,11 @@ X_V_RH = 77  # per vGPU, the handles of its last RK inference reservations (a ri
 X_V_RLEN = 78  # and their profiled lengths: what a report's margin update compares against
 X_V_MARGIN_HI = 79
 X_PR_LPROF = 80  # profiled latency of each hop in the probe scratch (PR_LDUR: reserved)
+X_M_LAST = 81  # per model: latest arrival seen
+X_M_GAP = 82  # per model: mean gap between arrivals (EWMA from the planned rate's gap)
+X_V_NREP = 83  # per vGPU: inference reports learned from (its margins are a prior until WARM)
 RK = 16
+MARGIN_WARM = 32
 
 SECTION_INDEX = {name: k for k, (name, _, _) in enumerate(SECTIONS)}
 HEADER = SEC_TABLE + 2 * len(SECTIONS)

@@ -1,4 +1,4 @@
-"""The load-factor search finds the threshold of any monotone attainment curve."""
+"""The load-factor search finds the threshold of a monotone attainment curve, and looks past a\nlight-load dip."""
 
 from __future__ import annotations
 
@@ -31,3 +31,10 @@ def test_sweep_finds_threshold(threshold, parallel):
 def test_sweep_zero_when_nothing_passes_and_cap():
     assert sweep(lambda lf: 0.5).max_load_factor == 0.0
     assert sweep(lambda lf: 1.0, max_factor=0.5).max_load_factor == pytest.approx(0.5)
+
+
+def test_sweep_looks_past_a_dip_at_light_load():
+    """Attainment below target at 0.05 only (a light-load dip), then fine up to 0.62."""
+    r = sweep(lambda lf: 0.98 if lf <= 0.05 + 1e-9 else (1.0 if lf <= 0.62 + 1e-9 else 0.9))
+    assert r.max_load_factor == pytest.approx(0.62)
+    assert r.dips(0.99) == [pytest.approx(0.05)]

@@ -67,6 +67,14 @@ class Layout:
     tin: np.ndarray
     rem: np.ndarray
     nic_gbps: float
+    rate_rps: np.ndarray | None = None  # [M] planned throughput (the arrival rate the plan expects)
+
+    def planned_gap_us(self) -> np.ndarray:
+        """Mean gap between a model's arrivals at its planned throughput (inf: none planned):
+        the core's starting estimate of the gap, before arrivals say otherwise."""
+        r = self.rate_rps if self.rate_rps is not None else np.zeros(len(self.models))
+        with np.errstate(divide="ignore"):
+            return np.where(r > 0, 1e6 / np.maximum(r, 1e-300), np.inf)
 
     @property
     def num_vgpus(self) -> int:
@@ -239,4 +247,5 @@ class Layout:
             tin=tin,
             rem=rem,
             nic_gbps=cl.nic_gbps,
+            rate_rps=np.array([m.throughput_rps for m in plan.models], dtype=np.float64),
         )

@@ -101,7 +101,7 @@ class RefScheduler:
     def __init__(self, layout: Layout, policy: str = "ppipe", min_wait_us: float = 1.0,
                  wait_guard_us: float = 0.0, early_drop: bool = False, margin_quantile: float = 0.9,
                  margin_quantile_hi: float = 0.99, margin_step: float = 0.02, margin_max: float = 4.0,
-                 work_conserving: bool = True, pard: bool = False):
+                 work_conserving: bool = True, pard: bool = False, margin_prior: float = 1.25):
         self.L = layout
         self.policy = policy
         self.min_wait = min_wait_us
@@ -111,11 +111,15 @@ class RefScheduler:
         # per vGPU, the margin at the low quantile (light load) and at the high one (pressure)
         self.margin = [[1.0, 1.0] for _ in range(layout.num_vgpus)]
         self.mqs = (margin_quantile, margin_quantile_hi)
+        self.nrep = [0] * layout.num_vgpus  # reports learned from; below 32 the prior stands in
+        self.prior = margin_prior
         # per vGPU, (handle, reserved length) of its last 16 inference reservations by sequence
         self.recent = [[(-1, 0.0)] * 16 for _ in range(layout.num_vgpus)]
         self.mstep, self.mmax = margin_step, margin_max
         self.pull = work_conserving
         self.pard = pard
+        self.last = [-INF] * len(layout.models)  # latest arrival per model
+        self.gap = [float(g) for g in layout.planned_gap_us()]  # mean arrival gap per model (EWMA)
         self.hbf_until = [-INF] * len(layout.models)  # under pressure until (HBF too with pard)
         M, P = len(layout.models), layout.num_pools
         self.queues: list[list[RefRequest]] = [[] for _ in range(M + P)]
@@ -138,8 +142,12 @@ class RefScheduler:
     def _down(self, s: int) -> int:
         return self.L.num_vgpus + 2 * s + 1
 
-    def submit(self, rid: int, model: int, deadline: float) -> None:
+    def submit(self, rid: int, model: int, deadline: float, arrival: float = 0.0) -> None:
         self.seq += 1
+        if self.last[model] > -INF:
+            gap = max(arrival - self.last[model], 0.0)
+            self.gap[model] = gap if self.gap[model] == INF else 0.75 * self.gap[model] + 0.25 * gap
+        self.last[model] = max(self.last[model], arrival)
         self._push(model, RefRequest(rid, deadline, -1, self.seq))
 
     def _push(self, q: int, r: RefRequest) -> None:
@@ -259,8 +267,13 @@ class RefScheduler:
                 take = n
                 fn, _, hn = self.probe(p, n, now)
                 if fn <= dh:
-                    if dh - fn - self.guard >= self.min_wait:
-                        return now + (dh - fn - self.guard)
+                    # wait only while more requests are expected, and leave the room the
+                    # high-quantile margins would take
+                    extra = 0.0 if self.hbf_until[m] > now else sum(
+                        (self._hi(h[0]) - self.margin[h[0]][0]) * h[5] for h in hn)
+                    slack = dh - fn - extra - self.guard
+                    if slack >= self.min_wait and slack >= self.gap[m]:
+                        return now + slack
                     fin, hops = fn, hn
             d = RefDispatch(m, p, 0, [h[0] for h in hops], True, [], fin)
             prev_s = -1
@@ -346,11 +359,15 @@ class RefScheduler:
             else:
                 self._push(int(self.L.v_model[r]) if stage0 else M + pool, req)
 
+    def _hi(self, v: int) -> float:
+        return self.margin[v][1] if self.nrep[v] >= 32 else max(self.margin[v][1], self.prior)
+
     def _learn(self, v: int, h: int, took: float) -> None:
         """The margin: a step towards the quantile of measured / profiled latency."""
         hh, prof = self.recent[v][(h >> 20) % 16]
         if hh == h and prof > 0:
             x = took / prof
+            self.nrep[v] += 1
             for i, q in enumerate(self.mqs):
                 m = self.margin[v][i]
                 m *= math.exp(self.mstep * q) if x > m * (1 + 1e-9) else math.exp(-self.mstep * (1 - q))

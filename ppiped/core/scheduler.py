@@ -160,7 +160,7 @@ class Scheduler:
     def __init__(self, plan: Plan, profiles: dict[str, Profile], policy: str | Policy = "ppipe",
                  layout: Layout | None = None, *, min_wait_us: float = 1.0, wait_guard_us: float = 0.0,
                  margin_quantile: float = 0.9, margin_quantile_hi: float = 0.99, margin_step: float = 0.02,
-                 margin_max: float = 4.0,
+                 margin_max: float = 4.0, margin_prior: float = 1.25,
                  work_conserving: bool = True,
                  table_capacity: int = 32, queue_capacity: int = 256, request_slots: int = 1024):
         if isinstance(policy, str):
@@ -212,8 +212,11 @@ class Scheduler:
         a.F[S.F_MARGIN_QHI] = margin_quantile_hi
         a.F[S.F_MARGIN_STEP] = margin_step
         a.F[S.F_MARGIN_MAX] = margin_max
+        a.F[S.F_MARGIN_PRIOR] = margin_prior
         a.view("v_margin")[:] = 1.0
         a.view("v_margin_hi")[:] = 1.0
+        a.view("m_last")[:] = -np.inf
+        a.view("m_gap")[:] = lay.planned_gap_us()
         a.view("v_rh")[:] = -1
         a.view("q_hbf")[:] = -np.inf
         a.view("m_hold")[:] = lay.slo_us

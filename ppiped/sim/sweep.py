@@ -14,6 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+DIP_STEPS = 4  # coarse steps searched past a failure before anything has passed
+
 
 @dataclass
 class SweepResult:
@@ -61,6 +63,7 @@ def sweep(
         return round(round(x / resolution) * resolution, 10)
 
     ok, bad = 0.0, None
+    first_bad = None
     k = 1
     if start is not None and start > step:
         k = max(1, round(start / step))
@@ -91,8 +94,14 @@ def sweep(
             elif ok > 0:
                 bad = f
                 break
-            # else: a dip before the first passing load factor; keep stepping up
+            elif first_bad is None:
+                first_bad = f  # maybe a dip at light load: look a few steps further up
+            elif f >= first_bad + DIP_STEPS * step - 1e-9:
+                bad = first_bad  # nothing passes above it either: search below it
+                break
         k += len(batch)
+    if bad is None and ok == 0 and first_bad is not None:
+        bad = first_bad
     if bad is None:
         return SweepResult(ok, points)
     lo_steps, hi_steps = round(ok / resolution), round(bad / resolution)
