@@ -5,8 +5,8 @@
   milliseconds, which would add up to 1 ms to every wait-until and every emulated inference; a
   Linux ``timerfd`` armed for the earliest deadline wakes the loop within tens of microseconds.
 * :class:`Reader`: drains a ZeroMQ socket from the loop. ZeroMQ's FD is edge-triggered, so every
-  wake-up reads until EAGAIN, and code that sends on a socket calls :meth:`Reader.kick` so an edge
-  consumed by the send is not lost.
+  wake-up reads until EAGAIN (or its time budget, then it comes back next turn), and code that
+  sends on a socket calls :meth:`Reader.kick` so an edge consumed by the send is not lost.
 * :func:`zmq_context` / :func:`pin_this_thread`: where the I/O and event-loop threads run. On one
   shared CPU the kernel's fair scheduler lets a busy ZeroMQ I/O thread run on for a millisecond or
   more while the loop holds requests; apart, neither waits for the other.
@@ -204,24 +204,33 @@ class Timers:
 
 
 class Reader:
-    """Calls ``handler(frames)`` for every message on ``sock``, draining it on each wake-up."""
+    """Calls ``handler(frames)`` for every message on ``sock``, draining it on each wake-up.
+
+    ``budget_us``: a wake-up stops after this much time (and comes back on the next loop turn),
+    so a flood on one socket cannot starve the others and the timers. ``busy_since``: when the
+    current run of wake-ups began that has not yet found the socket empty (0: it was empty at the
+    last look); every message now queued arrived after the socket was last seen empty, so this
+    bounds how long the reader has been behind, a backlog signal that needs no sender clock."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket,
                  handler: Callable[[list], None], after: Callable[[], None] | None = None,
-                 max_per_wakeup: int = 4096) -> None:
+                 max_per_wakeup: int = 4096, budget_us: int = 0) -> None:
         self._loop = loop
         self._sock = sock
         self._handler = handler
         self._after = after
         self._max = max_per_wakeup
+        self._budget = budget_us
         self._scheduled = False
+        self.busy_since = 0
         self._fd = sock.getsockopt(zmq.FD)
         loop.add_reader(self._fd, self._drain)
         self.kick()  # messages may have queued before the reader existed
 
     def drain_now(self) -> None:
-        """Handle every message already queued, before acting on what has *not* arrived."""
-        self._drain()
+        """Handle every message already queued (no time budget), before acting on what has *not*
+        arrived."""
+        self._drain(budget=False)
 
     def kick(self) -> None:
         """Check for input soon: a send may have consumed the edge that announced it."""
@@ -229,14 +238,22 @@ class Reader:
             self._scheduled = True
             self._loop.call_soon(self._drain)
 
-    def _drain(self) -> None:
+    def _drain(self, budget: bool = True) -> None:
         self._scheduled = False
         sock, handler = self._sock, self._handler
         n = 0
+        t0 = now_us()
+        if not self.busy_since:
+            self.busy_since = t0
+        end = t0 + self._budget if self._budget and budget else 0
+        cut = False
         try:
             # ZMQ_EVENTS first: it also processes pending commands, and an empty socket costs no
             # EAGAIN exception
-            while n < self._max and has_input(sock):
+            while has_input(sock):
+                if n >= self._max or (end and now_us() >= end):
+                    cut = True
+                    break
                 try:
                     msg = recv_parts(sock)
                 except zmq.Again:
@@ -248,9 +265,11 @@ class Reader:
                 return
             raise
         finally:
+            if not cut:
+                self.busy_since = 0
             if n and self._after is not None:
                 self._after()
-        if n >= self._max:
+        if cut:
             self.kick()
 
     def close(self) -> None:
