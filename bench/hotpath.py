@@ -32,6 +32,8 @@ from ppiped.executor import tiny
 
 
 class _NoReader:
+    busy_since = 0  # never behind: nothing is shed
+
     def kick(self) -> None:
         pass
 

@@ -22,6 +22,8 @@ from ppiped.wire import Status, T
 
 
 class _NoReader:
+    busy_since = 0  # never behind: nothing is shed
+
     def kick(self) -> None:
         pass
 

@@ -70,6 +70,7 @@ class ServeConfig:
     max_pending: int = 100_000
     max_ids_per_message: int = 4096
     max_slo_ms: float = 60_000.0  # a request may ask for at most this SLO
+    max_backlog_ms: float = 10.0  # client socket behind this long: new SUBMITs answered overloaded
     heartbeat_interval_ms: int = 100
     heartbeat_timeout_ms: int = 1000
     result_grace_ms: float = 200.0  # a batch is lost this long after its reserved end without a result
@@ -258,6 +259,7 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
     cfg.max_pending = lim.get("max_pending", cfg.max_pending, "int+")
     cfg.max_ids_per_message = lim.get("max_ids_per_message", cfg.max_ids_per_message, "int+")
     cfg.max_slo_ms = lim.get("max_slo_ms", cfg.max_slo_ms, "num+")
+    cfg.max_backlog_ms = lim.get("max_backlog_ms", cfg.max_backlog_ms, "num+")
     cfg.result_grace_ms = lim.get("result_grace_ms", cfg.result_grace_ms, "num+")
     lim.done()
     hb = top.sub("heartbeat")

@@ -105,6 +105,13 @@ def render(srv: Server) -> str:
     head("ppiped_arrival_rate_rps", "gauge", "Measured arrival rate (EWMA), requests per second.")
     for i, n in enumerate(names):
         lines.append(f"ppiped_arrival_rate_rps{_labels(model=n)} {srv.rates.rates[i]:.6g}")
+    head("ppiped_in_flight", "gauge", "Requests accepted and not yet answered.")
+    for i, n in enumerate(names):
+        lines.append(f"ppiped_in_flight{_labels(model=n)} {srv.stats[i].accepted - srv.stats[i].answered}")
+    head("ppiped_admission_window", "gauge",
+         "Most requests in flight before new ones are refused overloaded (+Inf: executors keep up).")
+    for i, n in enumerate(names):
+        lines.append(f"ppiped_admission_window{_labels(model=n)} {srv.stats[i].limit:.6g}")
     head("ppiped_queue_depth", "gauge", "Requests waiting in the scheduler's queue.")
     for i, n in enumerate(names):
         lines.append(f"ppiped_queue_depth{_labels(model=n)} {srv.core.pending(i)}")

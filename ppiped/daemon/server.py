@@ -54,6 +54,15 @@ log = logs.get("ppiped.serve")
 
 OVERHEAD_SAMPLES = 1 << 20
 WAKE_SAMPLES = 1 << 16
+SHED_SAMPLES = 1 << 16
+ADJUST_US = 100_000  # admission windows: adjusted this often (from results' lateness)
+MIN_LIMIT = 64  # the smallest admission window: something is always in flight, so results come
+LATE_FLOOR_US = 1000  # lateness below this never counts as executors falling behind
+CALM_INTERVALS = 10  # adjustments in a row with nothing late or refused: the window is lifted
+# Time budget of one wake-up of a reader: a flood of SUBMITs cannot starve RESULTs (whose replies
+# are the answers that count) or the timers, and vice versa.
+CLIENT_SLICE_US = 1000
+EXEC_SLICE_US = 1000
 BURST_DECIDE_US = 200
 _ACTION_VIEWS = ("path", "n_hops", "req_start", "bs", "res_start", "n_res_of", "finish_us", "model", "handle",
                  "kind", "hop", "start_us", "req_id", "drop_id", "drop_reason")
@@ -116,12 +125,21 @@ class ExecState:
 
 
 class ModelStats:
-    __slots__ = ("accepted", "ok", "dropped", "rejected", "batches", "batch_reqs")
+    """Per model: counts, and the admission window (see :meth:`Server.adjust_limits`)."""
+
+    __slots__ = ("accepted", "ok", "dropped", "rejected", "batches", "batch_reqs", "answered", "limit",
+                 "late", "limited", "peak", "calm")
 
     def __init__(self) -> None:
         self.accepted = self.ok = self.batches = self.batch_reqs = 0
         self.dropped: dict[str, int] = defaultdict(int)
         self.rejected: dict[str, int] = defaultdict(int)
+        self.answered = 0  # accepted requests answered (any outcome): in flight = accepted - answered
+        self.limit: float = math.inf  # most requests in flight; none until executors fall behind
+        self.late: list[int] = []  # this interval: µs each batch's result came after its reserved end
+        self.limited = False  # this interval: a request was refused for the limit
+        self.peak = 0  # this interval: the most requests in flight
+        self.calm = 0  # intervals in a row neither late nor refusing anything
 
 
 class Server:
@@ -178,6 +196,10 @@ class Server:
         self.n_overhead = 0
         self.wake_late = np.zeros(WAKE_SAMPLES, dtype=np.float64)
         self.n_wake = 0
+        self.shed_us = np.zeros(SHED_SAMPLES, dtype=np.float64)  # read to overloaded reply sent
+        self.n_shed = 0
+        self.max_backlog_us = int(cfg.max_backlog_ms * 1000)
+        self.adjust_at = 0  # when the admission windows are next adjusted
         self._views_key = -1
         self._v: dict[str, np.ndarray] = {}
         self.wake_entry: list | None = None
@@ -298,8 +320,10 @@ class Server:
         if cfg.loop_cpus:  # after the sockets: ZeroMQ's threads keep the process's CPUs or io_cpus
             pin_this_thread(cfg.loop_cpus)
         self.timers = Timers(self.loop)
-        self.client_reader = Reader(self.loop, self.client, self.on_client, after=self.after_clients)
-        self.exe_reader = Reader(self.loop, self.exe, self.on_exec, after=self.after_execs)
+        self.client_reader = Reader(self.loop, self.client, self.on_client, after=self.after_clients,
+                                    budget_us=CLIENT_SLICE_US)
+        self.exe_reader = Reader(self.loop, self.exe, self.on_exec, after=self.after_execs,
+                                 budget_us=EXEC_SLICE_US)
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
         await self._start_ops()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -408,10 +432,14 @@ class Server:
         t = now_us()
         if not self._burst_start:
             self._burst_start = t
-        elif self._dirty_decide and t - self._burst_start > BURST_DECIDE_US:
-            # a long burst: decide now rather than after it, so early requests do not wait for it
+        self._on_client(msg, t)
+        if self._dirty_decide and t - self._burst_start > BURST_DECIDE_US:
+            # a long burst: decide now rather than after it, so early requests do not wait for
+            # it; after this message, so an answer to it is not held up by the decision
             self.decide(self._burst_start)
-            self._burst_start = t
+            self._burst_start = 0
+
+    def _on_client(self, msg: list, t: int) -> None:
         ident = msg[0].bytes
         if len(msg) < 2:
             self.counters["malformed"] += 1
@@ -477,10 +505,27 @@ class Server:
             self._reject(ident, ids, wire.MALFORMED, st, f"SLO {slo / 1000:g} ms is above "
                          f"limits.max_slo_ms = {self.cfg.max_slo_ms:g}")
             return
+        since = self.client_reader.busy_since
+        if since and t - since > min(self.max_backlog_us, slo >> 2):
+            self._shed(ident, ids, st, t, f"client socket backlogged {(t - since) / 1000:.1f} ms")
+            return
+        inflight = st.accepted - st.answered
+        window = st.limit - inflight
+        room = self.cfg.max_pending - len(self.reqs)
+        if window <= room:
+            room = window
+            if window < len(ids):  # the window refuses some: it may be too small
+                st.limited = True
+        if room <= 0:
+            if window <= 0:
+                why = f"{model}: {inflight} requests in flight, admission window {st.limit}"
+            else:
+                why = f"{len(self.reqs)} requests queued, limits.max_pending {self.cfg.max_pending}"
+            self._shed(ident, ids, st, t, why)
+            return
         deadline = t + slo
         limit = self.cfg.max_payload_bytes
         want = self.input_bytes[m]
-        room = self.cfg.max_pending - len(self.reqs)
         reqs = self.reqs
         bad: dict[str, list[int]] = {}
         rid0 = rid = self.next_rid
@@ -501,11 +546,27 @@ class Server:
         if rid > rid0:  # the accepted ones have consecutive ids: one compiled call queues them all
             self.core.submit_many(rid0, rid - rid0, m, float(t), float(deadline))
         st.accepted += rid - rid0
+        if inflight + rid - rid0 > st.peak:
+            st.peak = inflight + rid - rid0
         self.next_rid = rid
         self._dirty_decide = True
         for reason, cids in bad.items():
             self.counters[reason] += len(cids)
             self._reject(ident, cids, reason, st)
+
+    def _shed(self, ident: bytes, ids: list[int], st: ModelStats, t: int, detail: str) -> None:
+        """Answer a whole SUBMIT ``overloaded`` at once, before its payloads are looked at: the
+        client socket has been backlogged longer than ``limits.max_backlog_ms`` (or a quarter of
+        the SLO: the loop is behind), or the model is at its admission window (the executors are).
+        Costs a reply per message, nothing per request: shedding must be far cheaper than serving,
+        or past its ceiling the daemon spends itself on requests that are already late."""
+        n = len(ids)
+        st.rejected[wire.OVERLOADED] += n
+        self.counters[wire.OVERLOADED] += n
+        self.counters["shed_messages"] += 1
+        send_parts(self.client, [ident, wire.reply(ids, Status.REJECTED, wire.OVERLOADED, detail)])
+        self.shed_us[self.n_shed & (SHED_SAMPLES - 1)] = now_us() - t
+        self.n_shed += 1
 
     def _reject(self, ident: bytes, cids: list[int], reason: str, st: ModelStats | None,
                 detail: str = "") -> None:
@@ -525,7 +586,9 @@ class Server:
         by: dict[bytes, list[int]] = defaultdict(list)
         for r in reqs:
             by[r.ident].append(r.cid)
-            self.stats[r.model].dropped[reason] += 1
+            st = self.stats[r.model]
+            st.dropped[reason] += 1
+            st.answered += 1
         for ident, cids in by.items():
             send_parts(self.client, [ident, wire.reply(cids, Status.DROPPED, reason)])
 
@@ -565,7 +628,9 @@ class Server:
                 if r is None:
                     continue
                 reason = wire.EXECUTOR_LOST if r.retried else DROP_REASONS.get(w, wire.DEADLINE)
-                self.stats[r.model].dropped[reason] += 1
+                st = self.stats[r.model]
+                st.dropped[reason] += 1
+                st.answered += 1
                 by[(r.ident, reason)].append(r.cid)
             for (ident, reason), cids in by.items():
                 send_parts(self.client, [ident, wire.reply(cids, Status.DROPPED, reason)])
@@ -915,6 +980,10 @@ class Server:
                               path=b.path)
             return
         st = self.stats[b.model]
+        t = now_us()
+        st.late.append(t - b.finish)
+        if t >= self.adjust_at:
+            self.adjust_limits(t)
         if ids:
             by: dict[bytes, tuple[list[int], list]] = {}
             for rid, f in zip(ids, frames):  # noqa: B905
@@ -929,6 +998,7 @@ class Server:
             for ident, (cids, fs) in by.items():
                 send_parts(self.client, [ident, wire.reply(cids, Status.OK, "", meta), *fs])
                 st.ok += len(cids)
+                st.answered += len(cids)
         if failed:
             for i in range(0, len(failed) - 1, 2):
                 r = b.reqs.pop(failed[i], None)
@@ -939,11 +1009,44 @@ class Server:
                 status = Status.REJECTED if code == wire.BAD_INPUT else Status.DROPPED
                 reason = wire.BAD_INPUT if status == Status.REJECTED else code
                 (st.rejected if status == Status.REJECTED else st.dropped)[reason] += 1
+                st.answered += 1
                 send_parts(self.client, [r.ident, wire.reply([r.cid], status, reason, text)])
         if not b.reqs:
             b.answered = True
-            b.done_at = now_us()
+            b.done_at = t
             self._maybe_forget(b)
+
+    def adjust_limits(self, t: int) -> None:
+        """Every ``ADJUST_US``: each model's admission window, additive-increase /
+        multiplicative-decrease on how late its executors are.
+
+        Past the executors' capacity (or the event loop's, which reads their results) the core's
+        reservations still say "on time" while a queue grows behind them: results come later and
+        later after their reserved ends, then requests miss their SLOs, and at worst the core
+        drops them at their deadlines, after spending the loop's time on them. The median of
+        that lateness over an interval, against a quarter of the SLO, says when: the window then
+        shrinks below what is in flight, and the excess is refused ``overloaded`` on arrival.
+        While no result is late and the window refused something, it grows again (probing); after
+        ``CALM_INTERVALS`` with neither, it is lifted, so a later burst is not held to an old limit."""
+        self.adjust_at = t + ADJUST_US
+        for i, st in enumerate(self.stats):
+            late = st.late
+            if not late:
+                continue
+            late.sort()
+            if late[len(late) >> 1] > max(LATE_FLOOR_US, self.slo_us[i] >> 2):
+                st.limit = max(MIN_LIMIT, int(min(st.limit, st.peak) * 0.8))
+                st.calm = 0
+            elif st.limited:
+                st.limit = min(self.cfg.max_pending, int(st.limit * 1.05) + MIN_LIMIT // 4)
+                st.calm = 0
+            else:
+                st.calm += 1
+                if st.calm >= CALM_INTERVALS:
+                    st.limit = math.inf
+            late.clear()
+            st.limited = False
+            st.peak = st.accepted - st.answered
 
     def on_feedback(self, ex: ExecState, entries: list[int]) -> None:
         """Hop times an executor measured (its clock, less its offset): they go to the batch, the
@@ -1052,7 +1155,7 @@ class Server:
                 out = {"error": f"{cmd!r} is refused on a TCP ctl endpoint (status only); use an "
                                 "ipc:// endpoints.ctl, or ppiped-ctl over the ctl unix socket"}
             elif cmd == "reset-overhead":
-                self.n_overhead = self.n_wake = 0
+                self.n_overhead = self.n_wake = self.n_shed = 0
                 out = {"ok": True}
             elif cmd == "stop":
                 self.loop.call_soon(self.stop)
@@ -1090,6 +1193,8 @@ class Server:
             s = self.stats[i]
             models[m] = {"slo_ms": self.slo_us[i] / 1000, "accepted": s.accepted, "ok": s.ok,
                          "dropped": dict(s.dropped), "rejected": dict(s.rejected),
+                         "in_flight": s.accepted - s.answered,
+                         "limit": s.limit if math.isfinite(s.limit) else None,
                          "pending": self.core.pending(i), "batches": s.batches,
                          "mean_batch": s.batch_reqs / s.batches if s.batches else 0.0}
         classes: dict[str, dict[str, Any]] = {}
@@ -1113,7 +1218,8 @@ class Server:
             "busy_us": list(self.busy_us),
             "in_flight_batches": sum(1 for b in self.batches.values() if not b.answered),
             "queued": len(self.reqs), "overhead_us": self.overhead_us(),
-            "wake_late_us": self._pcts(self.wake_late, self.n_wake), "counters": dict(self.counters),
+            "wake_late_us": self._pcts(self.wake_late, self.n_wake),
+            "shed_us": self._pcts(self.shed_us, self.n_shed), "counters": dict(self.counters),
             "core": self.core.stats(), "totals": self._totals(),
         }
 

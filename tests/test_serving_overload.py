@@ -1,0 +1,242 @@
+"""The daemon past its own ceiling: a backlogged client socket is answered ``overloaded`` at once,
+message by message, and every request still gets exactly one reply.
+
+No timing assertions here (the figures are ``bench/ingest.py``'s): the backlog is made by a fake
+clock, or by stopping the daemon while a flood queues up."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import zmq
+from test_server_hotpath import Rig
+
+from ppiped import wire
+from ppiped.client import Rejected, error_for
+from ppiped.daemon import loop as L
+from ppiped.daemon import server as S
+from ppiped.daemon.config import ConfigError, load_config
+from ppiped.daemon.launch import LocalCluster, short_tmpdir, write_config
+from ppiped.daemon.loop import Reader, send_parts
+from ppiped.executor import tiny
+from ppiped.wire import Status, T
+
+
+class _Behind:
+    """Stands in for the client socket's Reader: behind since ``busy_since`` (0: not behind)."""
+
+    def __init__(self, busy_since: int) -> None:
+        self.busy_since = busy_since
+
+    def kick(self) -> None:
+        pass
+
+
+def _replies(rig: Rig) -> list[list]:
+    return [wire.decode(m[0]) for m in rig.drain(rig.cl)]
+
+
+def test_reader_budget_and_backlog_clock(monkeypatch):
+    """A wake-up stops at its time budget and the next turn goes on; ``busy_since`` keeps the start
+    of the run until a wake-up finds the socket empty."""
+    clock = [1_000]
+
+    def tick() -> int:
+        clock[0] += 100
+        return clock[0]
+
+    monkeypatch.setattr(L, "now_us", tick)
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    b.bind("inproc://budget")
+    a.connect("inproc://budget")
+    got: list[bytes] = []
+    since: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for i in range(20):
+            send_parts(a, [str(i).encode()])
+
+        def handler(msg: list) -> None:
+            got.append(bytes(msg[0]))
+            since.append(r.busy_since)
+
+        r = Reader(loop, b, handler, budget_us=250)
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if len(got) == 20 and not r._scheduled:
+                break
+        assert r.busy_since == 0  # found empty at the end
+        r.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        ctx.destroy(0)
+    assert got == [str(i).encode() for i in range(20)]
+    assert len(set(since)) == 1 and since[0] > 0  # one run: every wake-up was cut by the budget
+
+
+def test_backlogged_submit_is_answered_overloaded_at_once(tmp_path, monkeypatch):
+    rig = Rig(tmp_path, monkeypatch, extra="[limits]\nmax_backlog_ms = 5\n")
+    try:
+        srv = rig.srv
+        srv.client_reader = _Behind(rig.t - 6_000)  # behind for 6 ms: past the 5 ms limit
+        rig.submit([b"x" * 16] * 10, 100)
+        replies = _replies(rig)
+        assert len(replies) == 1
+        _, kind, ids, status, reason, detail = replies[0]
+        assert (kind, ids, status, reason) == (T.REPLY, list(range(100, 110)), Status.REJECTED,
+                                               wire.OVERLOADED)
+        assert "backlog" in detail
+        assert not srv.reqs and srv.stats[0].accepted == 0
+        assert srv.stats[0].rejected[wire.OVERLOADED] == 10
+        st = srv.status()
+        assert st["counters"]["overloaded"] == 10 and st["counters"]["shed_messages"] == 1
+        assert st["shed_us"]["n"] == 1
+
+        srv.client_reader = _Behind(rig.t - 1_000)  # 1 ms: within the limit, served
+        rig.submit([b"y" * 16] * 4, 200)
+        assert not [h for h in _replies(rig) if h[3] != Status.OK]
+        assert srv.stats[0].accepted == 4
+
+        # a short SLO sheds sooner: after a quarter of it (2 ms SLO: 0.5 ms)
+        send_parts(rig.cl, [wire.submit(tiny.MODEL, 2_000, [300, 301]), b"a", b"b"])
+        assert srv.client.poll(1000)
+        srv.on_client(L.recv_parts(srv.client, 0))
+        [h] = [h for h in _replies(rig) if h[2] == [300, 301]]
+        assert (h[3], h[4]) == (Status.REJECTED, wire.OVERLOADED)
+    finally:
+        rig.close()
+
+
+def _results_for_dispatches(rig: Rig) -> int:
+    """Answer every DISPATCH the executor peer holds with a RESULT now; how many batches."""
+    batches = [(wire.decode(m[0]), m[1:]) for m in rig.drain(rig.ex)]
+    for h, frames in batches:
+        assert h[1] == T.DISPATCH
+        rig.to_server(wire.result(h[2], h[5], None), frames)
+    return len(batches)
+
+
+def test_admission_window_follows_executor_lateness(tmp_path, monkeypatch):
+    """Results far past their reserved ends shrink the model's window below what was in flight;
+    beyond it requests are refused ``overloaded`` (all of a message at once when none fits), each
+    exactly once; on-time results while the window refuses something grow it again."""
+    rig = Rig(tmp_path, monkeypatch)  # 20 ms SLO: lateness counts past 5 ms
+    try:
+        srv = rig.srv
+        st = srv.stats[0]
+        assert st.limit == float("inf")
+        rig.submit([b"x" * 16] * 8, 0)
+        rig.t += 15_000  # the executor answers 15 ms late
+        assert _results_for_dispatches(rig) == 2
+        assert st.limit == S.MIN_LIMIT  # 0.8 x the 8 in flight, but never below the minimum
+        assert [h[3] for h in _replies(rig)] == [Status.OK] * 2
+        assert st.accepted - st.answered == 0
+
+        rig.submit([b"y" * 16] * 100, 1000)  # the window takes 64 of them
+        replies = _replies(rig)
+        assert [(h[2], h[4]) for h in replies if h[3] != Status.OK] == \
+            [(list(range(1064, 1100)), wire.OVERLOADED)]
+        assert st.accepted - st.answered == 64 and st.limited
+
+        srv.adjust_limits(rig.t)  # the rest of the late interval: still late, still the minimum
+        assert st.limit == S.MIN_LIMIT
+        rig.submit([b"z" * 16] * 10, 2000)  # no room at all: the whole message, one reply
+        [h] = _replies(rig)
+        assert (h[2], h[3], h[4]) == (list(range(2000, 2010)), Status.REJECTED, wire.OVERLOADED)
+        assert "admission window 64" in h[5]
+        rig.t += 300
+        assert _results_for_dispatches(rig) > 0  # on time
+        srv.adjust_limits(rig.t)
+        assert st.limit == int(S.MIN_LIMIT * 1.05) + S.MIN_LIMIT // 4
+        m = srv.status()["models"][tiny.MODEL]
+        assert m["limit"] == st.limit and m["in_flight"] == st.accepted - st.answered
+        assert srv.counters["overloaded"] == 46
+    finally:
+        rig.close()
+
+
+def test_client_surfaces_overloaded_as_rejected():
+    e = error_for(Status.REJECTED, wire.OVERLOADED, "tiny")
+    assert isinstance(e, Rejected) and e.reason == "overloaded"
+
+
+def test_max_backlog_config(tmp_path):
+    plan, profiles = tiny.write_example(tmp_path)
+    assert load_config(write_config(tmp_path, plan, profiles)).max_backlog_ms == 10.0
+    cfg = write_config(tmp_path, plan, profiles, extra="[limits]\nmax_backlog_ms = 0.5\n")
+    assert load_config(cfg).max_backlog_ms == 0.5
+    with pytest.raises(ConfigError, match="limits.max_backlog_ms"):
+        load_config(write_config(tmp_path, plan, profiles, extra="[limits]\nmax_backlog_ms = -1\n"))
+
+
+def test_flood_past_the_limit_gets_exactly_one_reply_each():
+    """A flood queued while the daemon is stopped: once it runs again, it is behind, sheds whole
+    messages ``overloaded`` and serves the others; every request is answered exactly once."""
+    n_socks, n_msgs, per_msg = 4, 60, 40
+    with short_tmpdir("ppiped-overload-") as d:
+        d = Path(d)
+        plan, profiles = tiny.write_example(d)
+        cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=2000,
+                           extra="[limits]\nmax_backlog_ms = 1\n[models.tiny]\ninput_bytes = 0\n")
+        with LocalCluster(cfg, ((0, 2), (1, 3))) as c:
+            ctx = zmq.Context()
+            try:
+                socks = []
+                for _ in range(n_socks):
+                    s = ctx.socket(zmq.DEALER)
+                    s.setsockopt(zmq.LINGER, 0)
+                    s.connect(c.client_endpoint)
+                    socks.append(s)
+                for s in socks:  # connected and served before the flood
+                    s.send_multipart([wire.submit(tiny.MODEL, 0, [0]), b"warm"])
+                    assert s.poll(10_000)
+                    s.recv_multipart()
+                os.kill(c.server.pid, signal.SIGSTOP)
+                try:
+                    for k in range(n_msgs):
+                        for s in socks:
+                            ids = list(range(1 + k * per_msg, 1 + (k + 1) * per_msg))
+                            s.send_multipart([wire.submit(tiny.MODEL, 0, ids), *(b"p%d" % i for i in ids)])
+                    time.sleep(0.1)
+                finally:
+                    os.kill(c.server.pid, signal.SIGCONT)
+                want = n_msgs * per_msg
+                answers = [Counter() for _ in socks]
+                outcome: Counter = Counter()
+                end = time.monotonic() + 30
+                while sum(sum(a.values()) for a in answers) < n_socks * want and time.monotonic() < end:
+                    for s, a in zip(socks, answers, strict=True):
+                        while s.poll(0):
+                            m = s.recv_multipart()
+                            h = wire.decode(m[0])
+                            assert h[1] == T.REPLY
+                            a.update(h[2])
+                            outcome[(h[3], h[4])] += len(h[2])
+                            if h[3] == Status.OK:
+                                assert m[1:] == [b"p%d" % i for i in h[2]]  # each its own result
+                    time.sleep(0.005)
+                time.sleep(0.3)  # nothing more may come
+                for s, a in zip(socks, answers, strict=True):
+                    while s.poll(0):
+                        a.update(wire.decode(s.recv_multipart()[0])[2])
+                for a in answers:
+                    assert set(a) == set(range(1, want + 1)) and set(a.values()) == {1}
+                assert outcome[(Status.REJECTED, wire.OVERLOADED)] > 0
+                assert set(outcome) <= {(Status.OK, ""), (Status.REJECTED, wire.OVERLOADED),
+                                        (Status.DROPPED, wire.DEADLINE)}
+                st = c.status()
+                assert st["counters"]["overloaded"] == outcome[(Status.REJECTED, wire.OVERLOADED)]
+                assert c.server.poll() is None
+                assert "Traceback" not in c.tail("serve.log", 5000)
+            finally:
+                ctx.destroy(0)
