@@ -13,6 +13,11 @@ shares the other with the executors and the load generator (``[threads]`` in the
 ``--no-pin``: everything shares every CPU). The run reports the host's steal time, which the
 latency tail follows on a virtual machine.
 
+Past the daemon's own ceiling it must shed, not collapse: the figures then are answers within
+the SLO per second (``in_slo_rps``), requests answered ``overloaded`` (count, per second, and how
+long the refusal took: ``shed_p99_us`` from the daemon reading the message to its reply leaving,
+``overloaded_client_p99_ms`` from the client's send) and requests without a reply (must be 0).
+
 ``recovery``: the tiny two-pool plan with realistic latencies over two executor processes;
 SIGKILL one mid-run. Figures: requests never answered (must be 0), and how long after the kill
 the attainment of requests sent in 250 ms windows is back at >= 99% for good (the end of the
@@ -70,6 +75,20 @@ def _steal_jiffies() -> int:
         return 0
 
 
+def _cpu_busy() -> dict[str, tuple[int, int]]:
+    """Per CPU: (busy, total) jiffies since boot, from /proc/stat (empty off Linux)."""
+    out = {}
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            f = line.split()
+            if f and f[0].startswith("cpu") and f[0] != "cpu":
+                v = [int(x) for x in f[1:9]]
+                out[f[0]] = (sum(v) - v[3] - v[4], sum(v))  # all but idle and iowait
+    except (OSError, ValueError):
+        pass
+    return out
+
+
 def emit(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
@@ -84,9 +103,10 @@ def ingest(args: argparse.Namespace) -> dict:
         sched_cpus, other_cpus = split or (None, None)
         real = args.backend != "emulate"  # real inference: real frames, partitions from parts/
         keys = _curve_keys(d, 2 * args.vgpus) if args.curve else {}
+        limits = f"[limits]\nmax_backlog_ms = {args.max_backlog_ms}\n" if args.max_backlog_ms else ""
         cfg = write_config(d, plan, profiles, heartbeat_ms=100, timeout_ms=2000, threads=split,
                            backend=args.backend, partitions=str(d / "parts" / "{model}" / "{start}-{end}.onnx"),
-                           extra=keys.get("config", ""))
+                           extra=limits + keys.get("config", ""))
         n = 2 * args.vgpus
         groups = split_groups(n, args.executor_processes)
         frame_bytes = 4 * int(np.prod(tiny.INPUT_SHAPE)) if real else 64  # float32 input
@@ -104,13 +124,21 @@ def ingest(args: argparse.Namespace) -> dict:
                     "executor": (c.executors[0].pid, None), "loadgen": (os.getpid(), None)}
             cpu0 = {k: _cpu_s(*p) for k, p in pids.items()}
             steal0 = _steal_jiffies()
+            busy0 = _cpu_busy()
             r = uvloop.run(run_load(c.client_endpoint, {"tiny": args.rate}, args.duration, frame_bytes=frame_bytes,
                                     seed=args.seed, tick_us=args.tick_us, **ck))
             cpu = {k: round((_cpu_s(*p) - cpu0[k]) / args.duration, 3) for k, p in pids.items()}
             steal = (_steal_jiffies() - steal0) / os.sysconf("SC_CLK_TCK")
+            busy = {k: round(100 * (b - busy0[k][0]) / max(1, t - busy0[k][1]), 1)
+                    for k, (b, t) in _cpu_busy().items() if k in busy0}
             wall = time.monotonic() - t0
-            after = c.status()
+            after = c.status(timeout_s=30.0)  # a daemon past its ceiling may still be catching up
+        if after is None:
+            raise RuntimeError("the scheduler did not answer ctl status within 30 s after the run")
         tot = r["total"]
+        m = r["models"][0]
+        shed = after["shed_us"]
+        over = m["reject_reasons"].get("overloaded", 0)
         ok = after["models"]["tiny"]["ok"] - before["models"]["tiny"]["ok"]
         ov = after["overhead_us"]
         out = {
@@ -119,12 +147,16 @@ def ingest(args: argparse.Namespace) -> dict:
             "attainment": tot["attainment"],
             "sent": tot["sent"], "answered_ok": tot["ok"], "dropped": tot["dropped"],
             "rejected": tot["rejected"], "no_reply": tot["no_reply"],
-            "answered_rps": ok / args.duration, "client_p50_ms": tot["p50_ms"], "client_p99_ms": tot["p99_ms"],
+            "answered_rps": ok / args.duration, "in_slo_rps": tot["attained"] / args.duration,
+            "overloaded": over, "overloaded_rps": over / args.duration,
+            "shed_p50_us": shed.get("p50"), "shed_p99_us": shed.get("p99"), "shed_max_us": shed.get("max"),
+            "overloaded_client_p99_ms": m["reject_latency_ms"].get("overloaded", {}).get("p99"),
+            "client_p50_ms": tot["p50_ms"], "client_p99_ms": tot["p99_ms"],
             "overhead_p50_us": ov.get("p50"), "overhead_p99_us": ov.get("p99"),
             "overhead_p999_us": ov.get("p999"), "overhead_samples": ov.get("n"),
             "mean_batch": after["models"]["tiny"]["mean_batch"], "wall_s": wall,
             "scheduler_cpu_us_per_request": 1e6 * (after["cpu_s"] - before["cpu_s"]) / max(1, ok),
-            "cores_used": cpu, "host_load_avg": os.getloadavg()[0],
+            "cores_used": cpu, "cpu_busy_pct": busy, "host_load_avg": os.getloadavg()[0],
             # a VM's stolen CPU stalls the scheduler for milliseconds at a time: the latency tail
             # follows it (see README)
             "host_steal_pct": round(100 * steal / (args.duration * (os.cpu_count() or 1)), 2),
@@ -209,6 +241,8 @@ def main() -> int:
     ap.add_argument("--tick-us", type=int, default=1000, help="ingest: the load generator sends every tick")
     ap.add_argument("--vgpus", type=int, default=4, help="ingest: vGPUs per pool")
     ap.add_argument("--slo-ms", type=float, default=50.0)
+    ap.add_argument("--max-backlog-ms", type=float, default=0.0,
+                    help="ingest: limits.max_backlog_ms of the daemon (0: its default)")
     ap.add_argument("--recovery-rate", type=float, default=600.0)
     ap.add_argument("--recovery-duration", type=float, default=6.0)
     ap.add_argument("--kill-at", type=float, default=2.0)

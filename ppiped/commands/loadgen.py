@@ -40,6 +40,7 @@ class ModelLoad:
     rejected: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     no_reply: int = 0
     lat_ms: list[float] = field(default_factory=list)
+    reject_lat_ms: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     bad_echo: int = 0
 
     def summary(self, duration_s: float) -> dict[str, Any]:
@@ -52,15 +53,23 @@ class ModelLoad:
             "attainment": self.attained / self.sent if self.sent else math.nan,
             "dropped": sum(self.dropped.values()), "drop_reasons": dict(self.dropped),
             "rejected": sum(self.rejected.values()), "reject_reasons": dict(self.rejected),
+            # how fast a refusal comes back (send to reply), by reason: an overloaded daemon must
+            # say so at once, not after the SLO
+            "reject_latency_ms": {k: _pcts(v) for k, v in self.reject_lat_ms.items()},
             "no_reply": self.no_reply, "bad_echo": self.bad_echo,
             "p50_ms": float(pct[0]), "p90_ms": float(pct[1]), "p99_ms": float(pct[2]),
             "max_ms": float(lat.max()) if self.lat_ms else math.nan,
         }
 
 
+def _pcts(lat_ms: list[float]) -> dict[str, float]:
+    p50, p99 = np.percentile(lat_ms, [50, 99])
+    return {"p50": float(p50), "p99": float(p99), "max": float(max(lat_ms))}
+
+
 async def run_load(endpoint: str, rates: dict[str, float], duration_s: float, *, kind: str = "poisson",
                    seed: int = 0, frame_bytes: int | None = None, slo_ms: dict[str, float] | None = None,
-                   grace_s: float = 2.0, check_echo: bool = False, cv: float = 4.0,
+                   grace_s: float = 2.0, check_echo: bool = False, cv: float = 2.0,
                    on_tick: Any = None, keep_samples: bool = False, tick_us: int = 250,
                    key_file: str | None = None, server_key_file: str | None = None) -> dict[str, Any]:
     """Offer ``rates`` (req/s per model) for ``duration_s``; return per-model and total figures.
@@ -105,6 +114,7 @@ async def run_load(endpoint: str, rates: dict[str, float], duration_s: float, *,
                     ml.bad_echo += 1
             elif status == Status.REJECTED:
                 ml.rejected[reason] += 1
+                ml.reject_lat_ms[reason].append((t - t0) / 1000)
             else:
                 ml.dropped[reason] += 1
             if keep_samples:
@@ -217,7 +227,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="offered load per model (repeatable)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of load (default 10)")
     p.add_argument("--arrivals", default="poisson", help="poisson, bursty, or an Azure Functions trace CSV")
-    p.add_argument("--cv", type=float, default=4.0, help="bursty: coefficient of variation of the gaps")
+    p.add_argument("--cv", type=float, default=2.0, help="bursty: coefficient of variation of the gaps (default 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--frame-bytes", type=int, help="payload size (default: the model's input size, else 1 KiB)")
     p.add_argument("--slo-ms", type=float, help="per-request SLO (default: each model's)")
