@@ -577,7 +577,7 @@ def _ppipe_queue(A, F, m, now):
     """PPipe Algorithm 1 for model ``m``'s queue, until it is empty or waiting.
 
     With PARD (``H_PARD``): when a full batch served now would end after the oldest deadline
-    and the queue holds enough requests to fill it (or the model was overloaded within its hold
+    and the queue holds more requests than it takes (or the model was overloaded within its hold
     time), the batch stays full and every request that even it cannot serve in time is dropped
     now (proactively, on the whole path's estimate: the probe) instead of shrinking the batch,
     which would cut throughput exactly when it is short; for the hold time after such a drop,
@@ -602,25 +602,42 @@ def _ppipe_queue(A, F, m, now):
         if n == 0:
             F[o_qw + m] = INF
             return OK
-        # 1. the pipeline with the least waiting at its planned batch size
+        # 1. the pipeline with the least waiting at its planned batch size, among those that
+        # meet the oldest deadline if any does (a batch that waited for the last moment of one
+        # pipeline must not then move to a slower one that misses it)
+        dh = F[o_dl + peek_min(A, dq, m)]
         best_p = -1
         best_w = INF
         best_f = INF
         bbuf = 0
-        cur = 0
+        late_p = -1  # while no pipeline meets dh: the least waiting of all
+        late_w = INF
+        late_f = INF
+        lbuf = 0
         for p in range(A[o_mp + m], A[o_mp + m + 1]):
+            cur = 1 - bbuf if best_p >= 0 else (1 - lbuf if late_p >= 0 else 0)
             f, w = probe(A, F, p, A[o_bs + p], now, cur)
-            if f < INF and w < best_w:
-                best_w = w
-                best_f = f
-                best_p = p
-                bbuf = cur
-                cur = 1 - cur
+            if f == INF:
+                continue
+            if f <= dh:
+                if w < best_w:
+                    best_p = p
+                    best_w = w
+                    best_f = f
+                    bbuf = cur
+            elif best_p < 0 and w < late_w:
+                late_p = p
+                late_w = w
+                late_f = f
+                lbuf = cur
+        if best_p < 0:
+            best_p = late_p
+            best_f = late_f
+            bbuf = lbuf
         if best_p < 0:
             F[o_qw + m] = INF
             return _drop_all(A, F, m, DROP_NO_CAPACITY)
         # 2. the largest batch size <= planned whose finish meets the oldest deadline
-        dh = F[o_dl + peek_min(A, dq, m)]
         B = A[o_bs + best_p]
         chosen = 0
         cbuf = bbuf
@@ -628,7 +645,7 @@ def _ppipe_queue(A, F, m, now):
         fmin = best_f
         if best_f <= dh:
             chosen = B
-        elif pard and (n >= B or F[o_hbf + m] > now):
+        elif pard and (n > B or F[o_hbf + m] > now):
             while A[o_qs + m] > 0 and F[o_dl + peek_min(A, dq, m)] < best_f:
                 if A[H_OUT_NX] >= A[H_OX]:
                     return FULL_OUT

@@ -119,3 +119,18 @@ def test_faults_bench_short_run():
     (summary,) = [r for r in recs if r.get("summary")]
     # attainment targets depend on the host's load: the exit status only has to agree with them
     assert summary["cases"] == 4 and out.returncode == (1 if summary["missed"] else 0)
+
+
+def test_overload_bench_short_run():
+    """Light-load part on its synthetic 2 ms plan (and one shared plan when present), then the
+    daemon part for a second: every request answered."""
+    recs = _json_lines([str(BENCH / "overload.py"), "--part", "lowload", "--policies", "ppipe,pard",
+                        "--limit", "1", "--duration", "0.5"])
+    (summary,) = [r for r in recs if r.get("bench") == "overload"]
+    low = summary["summary"]["lowload"]
+    assert set(low) == {f"{p}@{lf}" for p in ("ppipe", "pard") for lf in (0.01, 0.02, 0.05, 0.1, 0.2)}
+    assert all(0.0 <= v["attainment_2ms_plan"] <= 1.0 for v in low.values())
+    (d,) = [r for r in _json_lines([str(BENCH / "overload.py"), "--part", "daemon", "--daemon-seconds", "1"])
+            if r.get("bench") == "overload-daemon"]
+    assert d["sent"] > 0 and d["no_reply"] == 0
+    assert 0.0 <= d["goodput_over_capacity"] <= 1.5

@@ -229,9 +229,11 @@ class RefScheduler:
         while q:
             n = len(q)
             best = None
+            dh = q[0].deadline
             for p in L.pipelines_of(m):
                 f, w, hops = self.probe(p, int(L.pipe_bs[p]), now)
-                if f < INF and (best is None or w < best[1]):
+                # least waiting among the pipelines that meet the oldest deadline, if any does
+                if f < INF and (best is None or (f <= dh, -w) > (best[0] <= dh, -best[1])):
                     best = (f, w, hops, p)
             if best is None:
                 drops += [(r.rid, "no-capacity") for r in q]
@@ -243,7 +245,7 @@ class RefScheduler:
             chosen, fin, hops, fmin = 0, f_b, hops_b, f_b
             if f_b <= dh:
                 chosen = B
-            elif self.pard and (n >= B or self.hbf_until[m] > now):
+            elif self.pard and (n > B or self.hbf_until[m] > now):
                 # PARD: overloaded; keep the batch full, drop what it cannot serve in time and
                 # take from the high-budget end for the model's SLO
                 self.hbf_until[m] = now + float(L.slo_us[m])
