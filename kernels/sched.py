@@ -663,6 +663,24 @@ def _ppipe_queue(A, F, m, now):
                     cbuf = cur
                     cfin = f
                     break
+        # 3a'. no size of that pipeline fits: another pipeline may still serve the oldest
+        # request with the requests at hand (not when PPipe's shrinking is off)
+        if chosen == 0 and not early and not pard:
+            cur = 1 - bbuf
+            for p in range(A[o_mp + m], A[o_mp + m + 1]):
+                if p == best_p:
+                    continue
+                for b in range(min(A[o_bs + p], n), 0, -1):
+                    f, w = probe(A, F, p, b, now, cur)
+                    fmin = min(fmin, f)
+                    if f <= dh:
+                        chosen = b
+                        break
+                if chosen > 0:
+                    best_p = p
+                    cbuf = cur
+                    cfin = f
+                    break
         # 3a. no batch size fits: drop every request that no probed size serves in time
         if chosen == 0:
             reason = DROP_EARLY if early else DROP_DEADLINE

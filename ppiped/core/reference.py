@@ -259,6 +259,20 @@ class RefScheduler:
                     if f <= dh:
                         chosen, fin, hops = b, f, h
                         break
+            if chosen == 0 and not self.early and not self.pard:
+                # another pipeline may still serve the oldest with the requests at hand
+                for p2 in L.pipelines_of(m):
+                    if p2 == p:
+                        continue
+                    for b in range(min(int(L.pipe_bs[p2]), n), 0, -1):
+                        f, _, h = self.probe(p2, b, now)
+                        fmin = min(fmin, f)
+                        if f <= dh:
+                            chosen, fin, hops = b, f, h
+                            break
+                    if chosen:
+                        p = p2
+                        break
             if chosen == 0:
                 self.hbf_until[m] = now + float(L.slo_us[m])
                 while q and q[0].deadline < fmin:
