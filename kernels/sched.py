@@ -664,8 +664,8 @@ def _ppipe_queue(A, F, m, now):
                     cfin = f
                     break
         # 3a'. no size of that pipeline fits: another pipeline may still serve the oldest
-        # request with the requests at hand (not when PPipe's shrinking is off)
-        if chosen == 0 and not early and not pard:
+        # request with the requests at hand (not under Nexus-style early drop, which never shrinks)
+        if chosen == 0 and not early:
             cur = 1 - bbuf
             for p in range(A[o_mp + m], A[o_mp + m + 1]):
                 if p == best_p:

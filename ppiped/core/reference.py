@@ -259,7 +259,7 @@ class RefScheduler:
                     if f <= dh:
                         chosen, fin, hops = b, f, h
                         break
-            if chosen == 0 and not self.early and not self.pard:
+            if chosen == 0 and not self.early:
                 # another pipeline may still serve the oldest with the requests at hand
                 for p2 in L.pipelines_of(m):
                     if p2 == p:
