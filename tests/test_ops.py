@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import math
 import os
 import socket
 import stat
@@ -67,12 +68,21 @@ BASE = {"plan": "p.json", "profiles": "profiles"}
     ({"threads": {"io_cpus": [1, 1]}}, "threads.io_cpus", "listed twice"),
     ({"threads": {"io_threads": 0}}, "threads.io_threads", "integer >= 1"),
     ({"threads": {"loop_cpu": [0]}}, "threads", "unknown key(s) loop_cpu"),
+    ({"executor": {"start_early_us": "soon"}}, "executor.start_early_us", 'number >= 0 or "inf"'),
+    ({"executor": {"start_early_us": -5}}, "executor.start_early_us", 'number >= 0 or "inf"'),
+    ({"executor": {"emulate_jitter": "inf"}}, "executor.emulate_jitter", "finite number"),
 ])
 def test_config_errors_name_key_and_problem(extra, key, problem):
     with pytest.raises(ConfigError) as e:
         config_from_dict({**BASE, **extra}, "/etc/ppiped/ppiped.toml")
     msg = str(e.value)
     assert f"ppiped.toml: {key}" in msg and problem in msg, msg
+
+
+def test_executors_are_work_conserving_by_default_and_can_be_bounded():
+    assert math.isinf(config_from_dict(BASE, "x.toml").executor_defaults.start_early_us)
+    cfg = config_from_dict({**BASE, "executor": {"start_early_us": 250, "emulate_jitter": 0.05}}, "x.toml")
+    assert cfg.executor_defaults.start_early_us == 250.0 and cfg.executor_defaults.emulate_jitter == 0.05
 
 
 def test_example_config_documents_and_validates_every_key():

@@ -11,6 +11,7 @@ is true: a scheduler that listens on other interfaces is a decision, not a defau
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -37,12 +38,15 @@ class ExecutorSettings:
     data_port_base: int = 7100
     partitions: str = ""  # ONNX file template: {model} {pipeline} {partition} {start} {end}
     engines: str = ""  # TensorRT engine cache template (same fields plus {gpu}); default beside the ONNX
-    start_early_us: int = 0  # may start a batch this long before its reserved start
+    # may start a batch this long before its reserved start; inf (the default): work-conserving,
+    # as the scheduler's tables assume when they pull a queue forward after an early end
+    start_early_us: float = math.inf
     threads: int = 1  # ONNX Runtime intra-op threads
     device: int = 0  # CUDA device
     split: int = 0  # vGPU split for CUDA MPS (0: from the scheduler's assignment)
     fp16_engine: bool = True  # build TensorRT engines with FP16 kernels allowed
     emulate_load_ms: int = 0  # emulate: how long loading a partition takes (an engine load, emulated)
+    emulate_jitter: float = 0.0  # emulate: lognormal log-sd of each batch's latency around the profile
 
     def endpoint_for(self, vgpu: int) -> str:
         if self.data_endpoint:
@@ -186,6 +190,12 @@ class _Table:
             lo = 1 if kind == "int+" else 0
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{where}: expected an integer >= {lo}, got {v!r}")
+        elif kind == "num0inf":
+            if v == "inf":
+                v = math.inf
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ConfigError(f"{where}: expected a number >= 0 or \"inf\", got {v!r}")
+            v = float(v)
         elif kind == "num+":
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ConfigError(f"{where}: expected a positive number, got {v!r}")
@@ -219,13 +229,16 @@ def _executor_settings(t: _Table, base: ExecutorSettings, allow_remote: bool) ->
         data_port_base=t.get("data_port_base", base.data_port_base, "int+"),
         partitions=t.get("partitions", base.partitions, "str"),
         engines=t.get("engines", base.engines, "str"),
-        start_early_us=t.get("start_early_us", base.start_early_us, "int0"),
+        start_early_us=t.get("start_early_us", base.start_early_us, "num0inf"),
         threads=t.get("threads", base.threads, "int+"),
         device=t.get("device", base.device, "int0"),
         split=t.get("split", base.split, "int0"),
         fp16_engine=t.get("fp16_engine", base.fp16_engine, "bool"),
         emulate_load_ms=t.get("emulate_load_ms", base.emulate_load_ms, "int0"),
+        emulate_jitter=t.get("emulate_jitter", base.emulate_jitter, "num0inf"),
     )
+    if not math.isfinite(s.emulate_jitter):
+        raise ConfigError(f"{t.source}: {t.key('emulate_jitter')}: expected a finite number >= 0")
     if s.backend not in BACKENDS:
         raise ConfigError(f"{t.source}: {t.key('backend')}: expected one of {', '.join(BACKENDS)}, "
                           f"got {s.backend!r}")

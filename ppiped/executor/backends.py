@@ -57,9 +57,23 @@ class EmulateBackend(Backend):
     name = "emulate"
     blocking = False
 
-    def __init__(self, a: Assignment, load_ms: int = 0) -> None:
+    def __init__(self, a: Assignment, load_ms: int = 0, jitter: float = 0.0) -> None:
         super().__init__(a)
         self.load_ms = load_ms
+        self.jitter = jitter
+        self._rng = None
+        if jitter > 0:
+            import numpy as np
+
+            self._rng = np.random.default_rng(1_000_003 * a.vgpu + 17)
+
+    def duration_us(self, bs: int) -> float:
+        """The profiled latency, times a lognormal factor (median 1, log-sd ``executor.
+        emulate_jitter``) when set: executors whose latency wanders, as real ones do."""
+        d = super().duration_us(bs)
+        if self._rng is None:
+            return d
+        return d * float(self._rng.lognormal(0.0, self.jitter))
 
     def load(self) -> None:
         """Takes ``executor.emulate_load_ms`` (0 by default): a stand-in for an engine load, so a
@@ -150,9 +164,9 @@ class OrtBackend(_TensorBackend):
 
 def make_backend(kind: str, a: Assignment, source: ModelSource | None = None, **opts: Any) -> Backend:
     """``source``: how to get the partition's ONNX graph (ort, trt, torch); ``opts``: threads, engine_path,
-    device, fp16, split, load_ms (emulate)."""
+    device, fp16, split, load_ms and jitter (emulate)."""
     if kind == "emulate":
-        return EmulateBackend(a, load_ms=opts.get("load_ms", 0))
+        return EmulateBackend(a, load_ms=opts.get("load_ms", 0), jitter=opts.get("jitter", 0.0))
     if source is None:
         raise ValueError(f"the {kind} backend needs the partition's ONNX model")
     if kind == "ort":

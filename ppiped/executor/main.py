@@ -9,8 +9,9 @@ Life of an executor process:
    carries the next assignment: it is loaded in the background while the current one serves
    (PRELOADED answers), and the WELCOME of the switch then only swaps the loaded workers in.
 3. Run batches in reservation order: each batch carries its reserved start per hop; a vGPU takes
-   the earliest reserved batch it holds and starts it no earlier than its reservation (minus
-   ``start_early_us``), so a batch that arrives early cannot take a slot reserved for another.
+   the earliest reserved batch it holds and starts it as soon as it is free (``start_early_us``
+   inf, the default: work-conserving, which the scheduler's tables assume when an early end
+   pulls the queue forward), or no earlier than its reservation minus ``start_early_us``.
 4. Send the fp16 feature map straight to the next hop's executor (in-process when it lives here)
    or, on the last hop, the per-request results to the scheduler. Report every use's actual
    ready/start/end times (FEEDBACK), coalesced per event-loop turn.
@@ -94,7 +95,7 @@ class Prep:
 class Worker:
     """One vGPU: a heap of batches keyed by reserved start, at most one running."""
 
-    def __init__(self, exe: Executor, vgpu: int, backend: Backend, early_us: int) -> None:
+    def __init__(self, exe: Executor, vgpu: int, backend: Backend, early_us: float) -> None:
         self.exe, self.vgpu, self.backend, self.early = exe, vgpu, backend, early_us
         self.heap: list[Job] = []
         self.busy = False
@@ -362,7 +363,8 @@ class Executor:
         if kind != "emulate":
             source, engine = self._model_source(s, a, fields)
         be = make_backend(kind, a, source, threads=s.threads, engine_path=engine,
-                          device=s.device, fp16=s.fp16_engine, split=s.split, load_ms=s.emulate_load_ms)
+                          device=s.device, fp16=s.fp16_engine, split=s.split, load_ms=s.emulate_load_ms,
+                          jitter=s.emulate_jitter)
         w = Worker(self, a.vgpu, be, s.start_early_us)
         try:
             await self.loop.run_in_executor(w.pool, be.load)  # pool None: the loop's default threads
