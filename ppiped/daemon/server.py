@@ -159,6 +159,10 @@ class Server:
                     raise ConfigError(f"{cfg.source}: scheduler.{k}: expected a number >= 0, got {v!r}")
                 kw[k] = float(v)
         kw.setdefault("wait_guard_us", 1000.0)  # wake-up lateness of a busy loop on a busy host
+        # the tables pull a vGPU's queue forward after an early end only if every executor
+        # starts a batch as soon as it is free
+        kw["work_conserving"] = all(math.isinf(s.start_early_us)
+                                    for s in [cfg.executor_defaults, *cfg.executors.values()])
         if opts:
             raise ConfigError(f"{cfg.source}: scheduler: unknown key(s) {', '.join(sorted(opts))} "
                               "(known: policy, min_wait_us, wait_guard_us)")
