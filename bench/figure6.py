@@ -263,7 +263,7 @@ def _per_jitter(argv: list[str], jitters: list[float], out: Path) -> int:
     for j in jitters:
         sub = out / f"sigma-{j:g}"
         rc = main([*rest, "--jitter", f"{j:g}", "--out", str(sub)])
-        if rc:
+        if rc or not (sub / "summary.json").is_file():  # failed, or skipped (no data)
             return rc
         summary = json.loads((sub / "summary.json").read_text())
         rows.append({"jitter_sigma": j, "means": summary["means"], "out": str(sub)})

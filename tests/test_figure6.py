@@ -28,7 +28,7 @@ def test_figure6_short_run(tmp_path, capsys):
         pytest.skip("../shared/data/ppipe is not present")
     out = tmp_path / "f6"
     assert _bench().main(["--data", str(SHARED), "--limit", "1", "--duration", "0.5", "--traces", "poisson",
-                          "--jobs", "1", "--out", str(out)]) == 0
+                          "--jobs", "1", "--jitter", "0", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     runs = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
     assert [r["system"] for r in runs] == ["PPipe", "NP", "DART-r", "Reactive"]

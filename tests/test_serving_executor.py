@@ -111,7 +111,9 @@ def welcome(sched, ident, vgpus):
 
 
 def test_emulate_two_processes_in_reservation_order(sched, tmp_path):
-    cfg = write_config(tmp_path)
+    """With executors bounded to their reservations (start_early_us = 0; the default, inf,
+    starts a batch as soon as the vGPU is free)."""
+    cfg = write_config(tmp_path, extra="start_early_us = 0\n")
     sched.spawn(cfg, "0")
     sched.spawn(cfg, "1")
     idents = {}

@@ -28,6 +28,7 @@ import concurrent.futures
 import contextlib
 import heapq
 import itertools
+import math
 import os
 import signal
 import sys
@@ -96,7 +97,10 @@ class Worker:
     """One vGPU: a heap of batches keyed by reserved start, at most one running."""
 
     def __init__(self, exe: Executor, vgpu: int, backend: Backend, early_us: float) -> None:
-        self.exe, self.vgpu, self.backend, self.early = exe, vgpu, backend, early_us
+        # None: work-conserving (start as soon as the vGPU is free); else whole µs, as the
+        # timers take integer times
+        self.exe, self.vgpu, self.backend = exe, vgpu, backend
+        self.early = None if math.isinf(early_us) else int(early_us)
         self.heap: list[Job] = []
         self.busy = False
         self.timer: list | None = None
@@ -119,7 +123,7 @@ class Worker:
             return
         job = self.heap[0]
         t = now_us()
-        at = job.starts[job.hop] - self.early
+        at = t if self.early is None else job.starts[job.hop] - self.early
         if at > t:
             if self.timer is None or self.timer[0] != at:
                 if self.timer is not None:
