@@ -28,7 +28,9 @@ reserve no NIC; clients' inputs and results are not modelled on the NIC.
 
 The scheduler
 -------------
-``Scheduler(plan, profiles, policy="ppipe", layout=None, *, min_wait_us=1.0, wait_guard_us=0.0)``
+``Scheduler(plan, profiles, policy="ppipe", layout=None, *, min_wait_us=1.0, wait_guard_us=0.0,
+margin_quantile=0.9, margin_quantile_hi=0.99, margin_step=0.02, margin_max=4.0, margin_prior=1.25,
+work_conserving=True)``
 
 - ``submit(req_id, model, arrival_us, deadline_us=None, priority=0)``: queue a request (deadline
   defaults to arrival + the model's SLO from the plan). ``priority`` is stored for policies to
@@ -54,9 +56,13 @@ The scheduler
   in a drop.
 - ``report(handle, actual_start_us, actual_end_us)`` / ``report_many(...)``: feedback from an
   executor. Under ppipe it corrects the reservation tables (late: later reservations of that
-  resource are pushed back as a FIFO executor would run them; early: the interval shrinks;
-  ``end <= start``: it did not run and the interval goes). Optional: uncorrected reservations
-  simply expire. Under reactive it is required: reporting a ``claim`` frees the vGPU and moves
+  resource are pushed back as a FIFO executor would run them; early: the interval shrinks and,
+  with ``work_conserving``, the reservations queued right behind it on that vGPU move forward by
+  as much; ``end <= start``: it did not run and the interval goes) and teaches the vGPU's
+  margins: two quantiles (``margin_quantile``, ``margin_quantile_hi``) of measured / profiled
+  latency. Inferences are reserved for profile x margin: the low quantile while the model is
+  quiet, the high one while it is under pressure (it dropped within one SLO). Optional:
+  uncorrected reservations simply expire and margins stay at 1. Under reactive it is required: reporting a ``claim`` frees the vGPU and moves
   the batch on to the next pool (failure: back to the queue it came from).
 - ``remove_vgpu(v)`` / ``restore_vgpu(v)``: a failed executor. Its reservations are released and
   no new batch goes to it; batches already dispatched through it are the caller's to retry.
@@ -74,7 +80,11 @@ Policies (``POLICIES``; a :class:`Policy` is knobs of the one algorithm, not a c
   fits: drop every request whose deadline is before the earliest finish any probed b reaches,
   and decide again. Fewer requests than b: wait until ``deadline - finish(n) - wait_guard_us``
   (probed at the current count n) unless that is less than ``min_wait_us`` away, in which case
-  dispatch the n now. Otherwise reserve the path and dispatch the b earliest deadlines; repeat.
+  dispatch the n now; it also dispatches now when the model's mean arrival gap (an EWMA that
+  starts from the planned rate) is longer than that wait, and the wait leaves the path the room
+  its high-quantile margins would take. Pipelines that meet the earliest deadline come first,
+  and before dropping, the model's other pipelines are tried at the sizes the queue can fill.
+  Otherwise reserve the path and dispatch the b earliest deadlines; repeat.
   ``probe``: per pool, each live vGPU's input transfer (joint uplink + downlink slot, only when
   the previous vGPU is on another server) then its inference slot, both the earliest that fits
   (gaps included); the vGPU whose output can leave first wins: its finish, or, where a transfer
@@ -91,8 +101,11 @@ Policies (``POLICIES``; a :class:`Policy` is knobs of the one algorithm, not a c
   claim is reported; nothing is reserved and it never waits for a fuller batch.
 - ``ppipe-early-drop`` (Nexus-style hook): as ppipe but the batch size stays at the planned one;
   requests it cannot serve in time are dropped instead of shrinking the batch.
-- PARD (High/Low-Budget-First) plugs in at ``Policy.take``: the queues are double-ended, and
-  the decision kernel is where "take from the max end" would go; not implemented yet.
+- ``pard`` (PARD): as ppipe, but when the queue holds more than one batch (or the model dropped
+  within its SLO) and a full batch served now ends after the earliest deadline, the batch stays
+  full and every request it cannot serve in time is dropped now (``early-drop``) on the probe's
+  whole-path estimate; for one SLO after such a drop, batches take the latest deadlines first
+  (high-budget-first, the DEPQ's max end), then earliest-deadline order returns.
 
 Speed: a decision is one compiled call; its Python wrapper returns preallocated arrays. The
 simulator may call the ``ppiped.kernels.sched`` entry points directly from compiled code
