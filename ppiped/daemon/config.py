@@ -74,7 +74,7 @@ class ServeConfig:
     max_pending: int = 100_000
     max_ids_per_message: int = 4096
     max_slo_ms: float = 60_000.0  # a request may ask for at most this SLO
-    max_backlog_ms: float = 10.0  # client socket behind this long: new SUBMITs answered overloaded
+    max_backlog_ms: float = 25.0  # client socket behind this long: new SUBMITs answered overloaded
     heartbeat_interval_ms: int = 100
     heartbeat_timeout_ms: int = 1000
     result_grace_ms: float = 200.0  # a batch is lost this long after its reserved end without a result

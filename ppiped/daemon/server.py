@@ -58,7 +58,7 @@ SHED_SAMPLES = 1 << 16
 ADJUST_US = 100_000  # admission windows: adjusted this often (from results' lateness)
 MIN_LIMIT = 64  # the smallest admission window: something is always in flight, so results come
 LATE_FLOOR_US = 1000  # lateness below this never counts as executors falling behind
-CALM_INTERVALS = 10  # adjustments in a row with nothing late or refused: the window is lifted
+CALM_INTERVALS = 100  # adjustments in a row with nothing late or refused: the window is lifted
 # Time budget of one wake-up of a reader: a flood of SUBMITs cannot starve RESULTs (whose replies
 # are the answers that count) or the timers, and vice versa.
 CLIENT_SLICE_US = 1000
@@ -128,7 +128,7 @@ class ModelStats:
     """Per model: counts, and the admission window (see :meth:`Server.adjust_limits`)."""
 
     __slots__ = ("accepted", "ok", "dropped", "rejected", "batches", "batch_reqs", "answered", "limit",
-                 "late", "limited", "peak", "calm")
+                 "late", "limited", "peak", "calm", "was_late")
 
     def __init__(self) -> None:
         self.accepted = self.ok = self.batches = self.batch_reqs = 0
@@ -140,6 +140,7 @@ class ModelStats:
         self.limited = False  # this interval: a request was refused for the limit
         self.peak = 0  # this interval: the most requests in flight
         self.calm = 0  # intervals in a row neither late nor refusing anything
+        self.was_late = False  # the previous interval was late
 
 
 class Server:
@@ -510,8 +511,8 @@ class Server:
                          f"limits.max_slo_ms = {self.cfg.max_slo_ms:g}")
             return
         since = self.client_reader.busy_since
-        if since and t - since > min(self.max_backlog_us, slo >> 2):
-            self._shed(ident, ids, st, t, f"client socket backlogged {(t - since) / 1000:.1f} ms")
+        if since and t - since > min(self.max_backlog_us, slo >> 1):
+            self._shed(ident, ids, st, t, "backlog", f"client socket backlogged {(t - since) / 1000:.1f} ms")
             return
         inflight = st.accepted - st.answered
         window = st.limit - inflight
@@ -522,10 +523,10 @@ class Server:
                 st.limited = True
         if room <= 0:
             if window <= 0:
-                why = f"{model}: {inflight} requests in flight, admission window {st.limit}"
+                cause, why = "window", f"{model}: {inflight} requests in flight, admission window {st.limit}"
             else:
-                why = f"{len(self.reqs)} requests queued, limits.max_pending {self.cfg.max_pending}"
-            self._shed(ident, ids, st, t, why)
+                cause, why = "queue", f"{len(self.reqs)} requests queued, limits.max_pending {self.cfg.max_pending}"
+            self._shed(ident, ids, st, t, cause, why)
             return
         deadline = t + slo
         limit = self.cfg.max_payload_bytes
@@ -558,16 +559,17 @@ class Server:
             self.counters[reason] += len(cids)
             self._reject(ident, cids, reason, st)
 
-    def _shed(self, ident: bytes, ids: list[int], st: ModelStats, t: int, detail: str) -> None:
+    def _shed(self, ident: bytes, ids: list[int], st: ModelStats, t: int, cause: str, detail: str) -> None:
         """Answer a whole SUBMIT ``overloaded`` at once, before its payloads are looked at: the
-        client socket has been backlogged longer than ``limits.max_backlog_ms`` (or a quarter of
-        the SLO: the loop is behind), or the model is at its admission window (the executors are).
+        client socket has been backlogged longer than ``limits.max_backlog_ms`` (or half the SLO:
+        the loop is behind), or the model is at its admission window (the executors are).
         Costs a reply per message, nothing per request: shedding must be far cheaper than serving,
         or past its ceiling the daemon spends itself on requests that are already late."""
         n = len(ids)
         st.rejected[wire.OVERLOADED] += n
         self.counters[wire.OVERLOADED] += n
         self.counters["shed_messages"] += 1
+        self.counters[f"shed_{cause}"] += n  # backlog, window or queue (max_pending)
         send_parts(self.client, [ident, wire.reply(ids, Status.REJECTED, wire.OVERLOADED, detail)])
         self.shed_us[self.n_shed & (SHED_SAMPLES - 1)] = now_us() - t
         self.n_shed += 1
@@ -1028,21 +1030,26 @@ class Server:
         reservations still say "on time" while a queue grows behind them: results come later and
         later after their reserved ends, then requests miss their SLOs, and at worst the core
         drops them at their deadlines, after spending the loop's time on them. The median of
-        that lateness over an interval, against a quarter of the SLO, says when: the window then
-        shrinks below what is in flight, and the excess is refused ``overloaded`` on arrival.
-        While no result is late and the window refused something, it grows again (probing); after
-        ``CALM_INTERVALS`` with neither, it is lifted, so a later burst is not held to an old limit."""
+        that lateness over an interval, against a quarter of the SLO, says when. Two such
+        intervals in a row (one may be a stall of the host, which the queue absorbs), or one past
+        half the SLO, shrink the window to 0.8 x the most that was in flight, and the excess is
+        refused ``overloaded`` on arrival. While results are on time and the window refuses
+        something, it grows again, slowly (the knee is near); after ``CALM_INTERVALS`` with
+        neither, it is lifted, so a later burst is not held to an old limit."""
         self.adjust_at = t + ADJUST_US
         for i, st in enumerate(self.stats):
             late = st.late
             if not late:
                 continue
             late.sort()
-            if late[len(late) >> 1] > max(LATE_FLOOR_US, self.slo_us[i] >> 2):
-                st.limit = max(MIN_LIMIT, int(min(st.limit, st.peak) * 0.8))
+            med, slo = late[len(late) >> 1], self.slo_us[i]
+            was_late, st.was_late = st.was_late, med > max(LATE_FLOOR_US, slo >> 2)
+            if st.was_late:
+                if was_late or med > slo >> 1:
+                    st.limit = max(MIN_LIMIT, int(min(st.limit, st.peak) * 0.8))
                 st.calm = 0
             elif st.limited:
-                st.limit = min(self.cfg.max_pending, int(st.limit * 1.05) + MIN_LIMIT // 4)
+                st.limit = min(self.cfg.max_pending, int(st.limit * 1.1) + MIN_LIMIT // 4)
                 st.calm = 0
             else:
                 st.calm += 1
