@@ -136,7 +136,7 @@ class ModelStats:
         self.rejected: dict[str, int] = defaultdict(int)
         self.answered = 0  # accepted requests answered (any outcome): in flight = accepted - answered
         self.limit: float = math.inf  # most requests in flight; none until executors fall behind
-        self.late: list[int] = []  # this interval: µs each batch's result came after its reserved end
+        self.late: list[float] = []  # this interval: µs each batch's result came after its reserved end
         self.limited = False  # this interval: a request was refused for the limit
         self.peak = 0  # this interval: the most requests in flight
         self.calm = 0  # intervals in a row neither late nor refusing anything
