@@ -10,6 +10,8 @@ Parts (each prints JSON lines, then a table; ``--part all`` runs them in turn):
   and on a synthetic plan with a 2 ms SLO (the tiny example model on its own profile).
 * ``bursty`` (simulator, Gamma arrivals with cv 1.5 and 2, load factor 1.0): goodput over
   capacity, drop rate and invalid rate per policy, averaged over the shared plans.
+* ``priority`` (simulator, σ = 0.05): 20 % of requests high priority, 80 % low, at load factor
+  1.3: attainment of the high class, goodput over capacity of both, per reserving policy.
 * ``daemon``: the real scheduler process with emulated executors whose latency wanders
   (``executor.emulate_jitter``), offered 1.3 x the tiny example plan's capacity from a load
   generator: goodput over capacity and requests without a reply.
@@ -39,8 +41,9 @@ def _point(args: tuple) -> dict:
     """One simulation in a worker: per-model figures against the plan's capacity."""
     from ppiped.sim.run import PointSpec
 
-    plan, models, policy, lf, sigma, duration, trace, cv, seed = args
-    spec = PointSpec(plan, models, trace, duration, seed, policy, sigma, cv)
+    plan, models, policy, lf, sigma, duration, trace, cv, seed, *rest = args
+    high = rest[0] if rest else 0.0
+    spec = PointSpec(plan, models, trace, duration, seed, policy, sigma, cv, high_share=high)
     r = spec.result(lf, stop=False)
     per = []
     for m in r.models:
@@ -49,8 +52,15 @@ def _point(args: tuple) -> dict:
         per.append({"model": m.model, "goodput_over_capacity": m.goodput_rps / cap if cap else math.nan,
                     "late_share": m.late / done if done else 0.0, "drop_rate": m.drop_rate,
                     "invalid_rate": m.invalid_rate, "attainment": m.attainment, "offered": m.offered})
-    return {"plan": Path(plan).name, "policy": policy, "load_factor": lf, "jitter_sigma": sigma,
-            "trace": trace, "cv": cv if trace == "bursty" else None, "models": per}
+    out = {"plan": Path(plan).name, "policy": policy, "load_factor": lf, "jitter_sigma": sigma,
+           "trace": trace, "cv": cv if trace == "bursty" else None, "models": per}
+    if r.classes:
+        out["high_share"] = high
+        out["classes"] = {name: {"min_attainment": r.class_min_attainment(name),
+                                 "goodput_over_capacity": [m.goodput_rps * lf / x.rate_rps if x.rate_rps else math.nan
+                                                           for m, x in zip(ms, r.models, strict=True)]}
+                          for name, ms in r.classes.items()}
+    return out
 
 
 def _plans(data: Path, limit: int, match: str) -> list[str]:
@@ -147,6 +157,24 @@ def part_bursty(args, plans: list[str], models: str) -> dict:
     return summary
 
 
+def part_priority(args, plans: list[str], models: str) -> dict:
+    pols = [p for p in args.policies if p != "reactive"]  # reactive has no classes
+    tasks = [(p, models, pol, 1.3, args.jitter, args.duration, "poisson", 2.0, args.seed, 0.2)
+             for p in plans for pol in pols]
+    rows = _run(tasks, args.jobs)
+    summary = {}
+    print(f"\n{'policy':<18} {'min high attainment':>20} {'plans >= 99.9 %':>16} {'min goodput/cap (all)':>22}")
+    for pol in pols:
+        rs = [r for r in rows if r["policy"] == pol]
+        hi = [r["classes"]["high"]["min_attainment"] for r in rs]
+        g = min(m["goodput_over_capacity"] for r in rs for m in r["models"])
+        ok = sum(h >= 0.999 for h in hi)
+        summary[pol] = {"min_high_attainment": min(hi), "plans_ok": ok, "plans": len(rs),
+                        "min_goodput_over_capacity": g}
+        print(f"{pol:<18} {min(hi):20.4f} {ok:>8}/{len(rs):<7} {g:22.3f}")
+    return summary
+
+
 def part_daemon(args) -> dict:
     import uvloop
 
@@ -178,7 +206,7 @@ def part_daemon(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="all", choices=("overload", "lowload", "bursty", "daemon", "all"))
+    ap.add_argument("--part", default="all", choices=("overload", "lowload", "bursty", "priority", "daemon", "all"))
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="the PPipe data set (models/, reference-plans/)")
     ap.add_argument("--policies", default="ppipe,pard,ppipe-early-drop,reactive",
                     help="comma-separated policies for the simulator parts")
@@ -202,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     models = str(data / "models")
     plans = _plans(data, args.limit, args.match) if (data / "reference-plans").is_dir() else []
     summary: dict = {}
-    sim_parts = [p for p in ("overload", "lowload", "bursty") if args.part in (p, "all")]
+    sim_parts = [p for p in ("overload", "lowload", "bursty", "priority") if args.part in (p, "all")]
     if sim_parts and not plans:
         print(f"overload: {data} has no reference plans: the shared-plan runs are skipped", file=sys.stderr)
         sim_parts = [p for p in sim_parts if p == "lowload"]  # its synthetic plan needs no data

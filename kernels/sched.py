@@ -17,10 +17,12 @@ from numba import njit, types
 
 from .depq import peek_min, pop_max, pop_min, push, remove_at
 from .state import (
+    CLASS_HOLD_SLOS,
     DROP_DEADLINE,
     DROP_EARLY,
     DROP_NO_CAPACITY,
     F1,
+    F_CLASS_ROOM,
     F_GUARD,
     F_LAST_NOW,
     F_MARGIN_MAX,
@@ -85,6 +87,7 @@ from .state import (
     X_B_SLOTS,
     X_LAT,
     X_M_GAP,
+    X_M_HI_UNTIL,
     X_M_HOLD,
     X_M_LAST,
     X_MODEL_PIPE0,
@@ -456,15 +459,58 @@ def _emit_drop(A, slot, reason):
     _free_slot(A, slot)
 
 
+@njit(cache=True, inline="always")
+def _hiq(A, m):
+    """Model ``m``'s high-priority queue. Why a queue of its own (Accordion's classes): a batch
+    takes the high class first, so the high class sees only its own load; one DEPQ keyed by
+    deadline could not give both the oldest request of each class and the oldest of all."""
+    return A[H_Q] - A[H_M] + m
+
+
 @njit(i8(I1, F1, i8, i8), cache=True)
 def _drop_all(A, F, q, reason):
     dq = queues_desc(A)
     o_qs = off(A, X_Q_SIZE)
-    while A[o_qs + q] > 0:
+    qs = (q, _hiq(A, q)) if q < A[H_M] else (q, q)
+    for qq in qs:
+        while A[o_qs + qq] > 0:
+            if A[H_OUT_NX] >= A[H_OX]:
+                return FULL_OUT
+            _emit_drop(A, pop_min(F, A, dq, qq), reason)
+    return OK
+
+
+@njit(cache=True, inline="always")
+def _oldest(A, F, dq, m, hq):
+    """(queue, deadline) of model ``m``'s earliest deadline over both classes; (-1, inf) if empty."""
+    o_qs = off(A, X_Q_SIZE)
+    o_dl = off(A, X_S_DEADLINE)
+    q = -1
+    d = INF
+    if A[o_qs + m] > 0:
+        q = m
+        d = F[o_dl + peek_min(A, dq, m)]
+    if A[o_qs + hq] > 0:
+        dh = F[o_dl + peek_min(A, dq, hq)]
+        if q < 0 or dh < d:
+            q = hq
+            d = dh
+    return q, d
+
+
+@njit(i8(I1, F1, i8, f8, i8), cache=True)
+def _drop_before(A, F, m, t, reason):
+    """Drop model ``m``'s requests (both classes) whose deadline is before ``t``, earliest first:
+    no batch can serve them any more, whatever their class."""
+    dq = queues_desc(A)
+    hq = _hiq(A, m)
+    while True:
+        q, d = _oldest(A, F, dq, m, hq)
+        if q < 0 or d >= t:
+            return OK
         if A[H_OUT_NX] >= A[H_OX]:
             return FULL_OUT
         _emit_drop(A, pop_min(F, A, dq, q), reason)
-    return OK
 
 
 @njit(i8(I1, i8, i8, i8, i8, b1, i8), cache=True)
@@ -499,8 +545,9 @@ def _emit_req(A, slot, src):
 
 @njit(i8(I1, F1, i8, i8, i8, i8, f8, f8, b1), cache=True)
 def _commit_ppipe(A, F, m, p, take, buf, fin, now, from_max):
-    """Reserve the path in scratch ``buf`` and dispatch ``take`` requests: the earliest
-    deadlines, or with ``from_max`` the latest (PARD's high-budget-first)."""
+    """Reserve the path in scratch ``buf`` and dispatch ``take`` requests: the high class first
+    (earliest deadlines), then the low class's earliest deadlines, or with ``from_max`` its
+    latest (PARD's high-budget-first)."""
     V = A[H_V]
     K = A[H_K]
     npools = A[off(A, X_PIPE_NPOOLS) + p]
@@ -543,8 +590,13 @@ def _commit_ppipe(A, F, m, p, take, buf, fin, now, from_max):
         F[off(A, X_V_RLEN) + j] = F[off(A, X_PR_LPROF) + buf * K + k]
         prev_s = sv
     dq = queues_desc(A)
+    hq = _hiq(A, m)
+    o_qs = off(A, X_Q_SIZE)
     for _ in range(take):
-        slot = pop_max(F, A, dq, m) if from_max else pop_min(F, A, dq, m)
+        if A[o_qs + hq] > 0:
+            slot = pop_min(F, A, dq, hq)
+        else:
+            slot = pop_max(F, A, dq, m) if from_max else pop_min(F, A, dq, m)
         _emit_req(A, slot, -1)
         _free_slot(A, slot)
     _end_dispatch(A, F, d, fin)
@@ -594,18 +646,18 @@ def _ppipe_queue(A, F, m, now):
     dq = queues_desc(A)
     o_qs = off(A, X_Q_SIZE)
     o_qw = off(A, X_Q_WAKE)
-    o_dl = off(A, X_S_DEADLINE)
     o_bs = off(A, X_PIPE_BS)
     o_mp = off(A, X_MODEL_PIPE0)
+    hq = _hiq(A, m)
     while True:
-        n = A[o_qs + m]
+        n = A[o_qs + m] + A[o_qs + hq]
         if n == 0:
             F[o_qw + m] = INF
             return OK
         # 1. the pipeline with the least waiting at its planned batch size, among those that
         # meet the oldest deadline if any does (a batch that waited for the last moment of one
         # pipeline must not then move to a slower one that misses it)
-        dh = F[o_dl + peek_min(A, dq, m)]
+        dh = _oldest(A, F, dq, m, hq)[1]
         best_p = -1
         best_w = INF
         best_f = INF
@@ -646,10 +698,9 @@ def _ppipe_queue(A, F, m, now):
         if best_f <= dh:
             chosen = B
         elif pard and (n > B or F[o_hbf + m] > now):
-            while A[o_qs + m] > 0 and F[o_dl + peek_min(A, dq, m)] < best_f:
-                if A[H_OUT_NX] >= A[H_OX]:
-                    return FULL_OUT
-                _emit_drop(A, pop_min(F, A, dq, m), DROP_EARLY)
+            status = _drop_before(A, F, m, best_f, DROP_EARLY)
+            if status != OK:
+                return status
             # (set once the drops are out, so that a call repeated after FULL_OUT probes alike)
             F[o_hbf + m] = now + F[off(A, X_M_HOLD) + m]
             continue
@@ -683,11 +734,9 @@ def _ppipe_queue(A, F, m, now):
                     break
         # 3a. no batch size fits: drop every request that no probed size serves in time
         if chosen == 0:
-            reason = DROP_EARLY if early else DROP_DEADLINE
-            while A[o_qs + m] > 0 and F[o_dl + peek_min(A, dq, m)] < fmin:
-                if A[H_OUT_NX] >= A[H_OX]:
-                    return FULL_OUT
-                _emit_drop(A, pop_min(F, A, dq, m), reason)
+            status = _drop_before(A, F, m, fmin, DROP_EARLY if early else DROP_DEADLINE)
+            if status != OK:
+                return status
             F[o_hbf + m] = now + F[off(A, X_M_HOLD) + m]  # under pressure for a while
             continue
         take = chosen
@@ -890,7 +939,7 @@ def decide_reactive(A, now, fresh):
     A, F = raw(A)
     _begin_decide(A, F, now, fresh)
     o_qd = off(A, X_Q_DIRTY)
-    for q in range(A[H_Q]):
+    for q in range(A[H_Q] - A[H_M]):  # (the high-class queues are the ppipe policy's)
         if A[o_qd + q] != 0:
             status = _reactive_queue(A, F, q, now)
             if status != OK:
@@ -903,11 +952,30 @@ def decide_reactive(A, now, fresh):
 @njit(cache=True, inline="always")
 def _enqueue(A, F, rid, model, arrival, deadline, prio):
     """Queue one request; FULL_SLOTS / FULL_QUEUE (before touching anything) if the arena must grow.
-    The one copy of the enqueue logic, shared by :func:`submit` and :func:`submit_many`."""
+    The one copy of the enqueue logic, shared by :func:`submit` and :func:`submit_many`.
+
+    Priority classes (reserving policies): a high request (``prio > 0``) goes to the model's
+    high queue, batched first. Batching order alone cannot protect it: PPipe books requests into
+    the tables as they come, so under overload the tables are full up to the SLO with low
+    requests when a high one arrives. So while the high class is active (an arrival within
+    ``CLASS_HOLD_SLOS`` SLOs), a low request is scheduled against its deadline less
+    ``F_CLASS_ROOM`` of the SLO: the low class books the tables only that far ahead, and the
+    room beyond is the high class's."""
     if A[H_NFREE] == 0:
         return FULL_SLOTS
-    if A[off(A, X_Q_SIZE) + model] >= A[H_QC]:
+    q = model
+    o_hu = off(A, X_M_HI_UNTIL) + model
+    hold = 0.0
+    if model < A[H_M] and A[H_POLICY] != POLICY_REACTIVE:
+        hold = F[off(A, X_M_HOLD) + model]
+        if prio > 0:
+            q = _hiq(A, model)
+        elif F[o_hu] > arrival:
+            deadline -= F[F_CLASS_ROOM] * hold
+    if A[off(A, X_Q_SIZE) + q] >= A[H_QC]:
         return FULL_QUEUE
+    if q != model:
+        F[o_hu] = max(F[o_hu], arrival + CLASS_HOLD_SLOS * hold)
     A[H_NFREE] -= 1
     slot = A[off(A, X_S_FREE) + A[H_NFREE]]
     F[off(A, X_S_DEADLINE) + slot] = deadline
@@ -924,7 +992,7 @@ def _enqueue(A, F, rid, model, arrival, deadline, prio):
             gap = max(arrival - F[o_last], 0.0)
             F[o_gap] = gap if F[o_gap] == INF else 0.75 * F[o_gap] + 0.25 * gap
         F[o_last] = max(F[o_last], arrival)
-    push(F, A, queues_desc(A), model, slot)
+    push(F, A, queues_desc(A), q, slot)
     A[off(A, X_Q_DIRTY) + model] = 1
     return OK
 
@@ -954,15 +1022,16 @@ def cancel(A, rid, model):
     """Remove pending request ``rid`` from ``model``'s queue; 1 if it was there."""
     A, F = raw(A)
     dq = queues_desc(A)
-    hb = dq[0] + model * dq[1]
     o_rid = off(A, X_S_RID)
-    for i in range(A[dq[2] + model]):
-        slot = A[hb + i]
-        if A[o_rid + slot] == rid:
-            remove_at(F, A, dq, model, i)
-            _free_slot(A, slot)
-            A[off(A, X_Q_DIRTY) + model] = 1
-            return 1
+    for q in (model, _hiq(A, model)):
+        hb = dq[0] + q * dq[1]
+        for i in range(A[dq[2] + q]):
+            slot = A[hb + i]
+            if A[o_rid + slot] == rid:
+                remove_at(F, A, dq, q, i)
+                _free_slot(A, slot)
+                A[off(A, X_Q_DIRTY) + model] = 1
+                return 1
     return 0
 
 

@@ -89,6 +89,7 @@ F_MARGIN_QHI = 57  # the same while the vGPU's model is under pressure (it dropp
 F_MARGIN_STEP = 55  # learning rate of that quantile (0: margins stay as set)
 F_MARGIN_MAX = 56  # cap on a vGPU's margin
 F_MARGIN_PRIOR = 58  # high-quantile margin assumed for a vGPU that has reported fewer than MARGIN_WARM uses
+F_CLASS_ROOM = 59  # share of a model's SLO its low class leaves to the high class while both are active
 SEC_TABLE = 64
 
 POLICY_PPIPE = 0
@@ -204,6 +205,7 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("m_last", "f", ("M",)),
     ("m_gap", "f", ("M",)),
     ("v_nrep", "i", ("V",)),
+    ("m_hi_until", "f", ("M",)),
 )
 # section indices, in SECTIONS order (tests check they agree)
 X_V_SERVER = 0
@@ -290,6 +292,8 @@ X_PR_LPROF = 80  # profiled latency of each hop in the probe scratch (PR_LDUR: r
 X_M_LAST = 81  # per model: latest arrival seen
 X_M_GAP = 82  # per model: mean gap between arrivals (EWMA from the planned rate's gap)
 X_V_NREP = 83  # per vGPU: inference reports learned from (its margins are a prior until WARM)
+X_M_HI_UNTIL = 84  # per model: the high class counts as active until then
+CLASS_HOLD_SLOS = 20.0  # the high class stays active this many SLOs after its last arrival
 RK = 16
 MARGIN_WARM = 32
 

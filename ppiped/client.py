@@ -123,7 +123,7 @@ class AsyncClient:
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._pending: dict[int, Callback] = {}
-        self._out: dict[tuple[str, int], tuple[list[int], list]] = {}
+        self._out: dict[tuple[str, int, int], tuple[list[int], list]] = {}
         self._flush_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: Reader | None = None
@@ -172,12 +172,15 @@ class AsyncClient:
 
     # --- submitting ---------------------------------------------------------------------------
 
-    def submit_cb(self, model: str, frame: Any, slo_ms: float | None, cb: Callback) -> int:
-        """Queue one request; ``cb(id, status, reason, frame, meta)`` runs once, on its reply."""
+    def submit_cb(self, model: str, frame: Any, slo_ms: float | None, cb: Callback, priority: int = 0) -> int:
+        """Queue one request; ``cb(id, status, reason, frame, meta)`` runs once, on its reply.
+        ``priority`` 1 is the high class: under overload the low class (0) is dropped first."""
         self._attach()
+        if priority not in (0, 1):
+            raise ValueError(f"priority must be 0 (low) or 1 (high), got {priority!r}")
         rid = next(self._ids)
         self._pending[rid] = cb
-        key = (model, 0 if slo_ms is None else max(1, int(slo_ms * 1000)))
+        key = (model, 0 if slo_ms is None else max(1, int(slo_ms * 1000)), priority)
         q = self._out.get(key)
         if q is None:
             q = self._out[key] = ([], [])
@@ -197,14 +200,14 @@ class AsyncClient:
         self._flush_scheduled = False
         out, self._out = self._out, {}
         sock = self._sock
-        for (model, slo_us), (ids, frames) in out.items():
+        for (model, slo_us, prio), (ids, frames) in out.items():
             for i in range(0, len(ids), self.max_ids):
                 chunk = ids[i:i + self.max_ids]
                 try:
-                    send_parts(sock, [wire.submit(model, slo_us, chunk), *frames[i:i + self.max_ids]],
+                    send_parts(sock, [wire.submit(model, slo_us, chunk, prio), *frames[i:i + self.max_ids]],
                                zmq.NOBLOCK)
                 except zmq.Again:
-                    q = self._out.setdefault((model, slo_us), ([], []))
+                    q = self._out.setdefault((model, slo_us, prio), ([], []))
                     q[0].extend(ids[i:])
                     q[1].extend(frames[i:])
                     break
@@ -215,7 +218,7 @@ class AsyncClient:
             self._reader.kick()
 
     async def submit(self, model: str, frame: Any, slo_ms: float | None = None,
-                     timeout_s: float | None = -1.0) -> Result:
+                     timeout_s: float | None = -1.0, priority: int = 0) -> Result:
         """Serve ``frame`` with ``model``; the SLO defaults to the model's. Raises Dropped/Rejected."""
         loop = self._attach()
         fut = loop.create_future()
@@ -228,7 +231,7 @@ class AsyncClient:
             else:
                 fut.set_exception(error_for(status, reason, model))
 
-        rid = self.submit_cb(model, frame, slo_ms, done)
+        rid = self.submit_cb(model, frame, slo_ms, done, priority)
         t = self.timeout_s if timeout_s == -1.0 else timeout_s
         try:
             return await asyncio.wait_for(fut, t) if t is not None else await fut
@@ -236,10 +239,10 @@ class AsyncClient:
             self._pending.pop(rid, None)
             raise TimeoutError(f"no reply from {self.endpoint} within {t} s") from None
 
-    async def submit_many(self, model: str, frames: Sequence[Any], slo_ms: float | None = None
-                          ) -> list[Result | RequestError]:
+    async def submit_many(self, model: str, frames: Sequence[Any], slo_ms: float | None = None,
+                          priority: int = 0) -> list[Result | RequestError]:
         """Submit several frames at once; each entry is a Result or the error it ended with."""
-        futs = [asyncio.ensure_future(self.submit(model, f, slo_ms)) for f in frames]
+        futs = [asyncio.ensure_future(self.submit(model, f, slo_ms, priority=priority)) for f in frames]
         out: list[Result | RequestError] = []
         for f in futs:
             try:
@@ -336,13 +339,13 @@ class Client:
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def submit(self, model: str, frame: Any, slo_ms: float | None = None) -> Result:
+    def submit(self, model: str, frame: Any, slo_ms: float | None = None, priority: int = 0) -> Result:
         """Serve ``frame`` with ``model``; raises :class:`Dropped` / :class:`Rejected` / TimeoutError."""
-        return self._call(self._ac.submit(model, frame, slo_ms))
+        return self._call(self._ac.submit(model, frame, slo_ms, priority=priority))
 
-    def submit_many(self, model: str, frames: Sequence[Any], slo_ms: float | None = None
-                    ) -> list[Result | RequestError]:
-        return self._call(self._ac.submit_many(model, frames, slo_ms))
+    def submit_many(self, model: str, frames: Sequence[Any], slo_ms: float | None = None,
+                    priority: int = 0) -> list[Result | RequestError]:
+        return self._call(self._ac.submit_many(model, frames, slo_ms, priority))
 
     def info(self, timeout_s: float = 5.0) -> dict:
         return self._call(self._ac.info(timeout_s))

@@ -109,11 +109,16 @@ def _print_status(st: dict[str, Any]) -> None:
           f"vGPUs {st['vgpus']['alive']}/{st['vgpus']['total']} alive"
           f"{f' ({miss} missing: no executor)' if miss else ''}, queued {st['queued']}, "
           f"in flight {st['in_flight_batches']} batches")
-    print(f"{'model':<16} {'rate rps':>9} {'weight':>7} {'slo ms':>7} {'ok':>9} {'dropped':>8} "
-          f"{'rejected':>8} {'attain':>7} {'queued':>6}")
+    print(f"{'model':<16} {'rate rps':>9} {'weight':>7} {'slo ms':>7} {'ok':>9} {'late':>6} {'dropped':>8} "
+          f"{'rejected':>8} {'attain':>7} {'goodput/s':>9} {'invalid':>7} {'queued':>6}")
     for m, d in st["models"].items():
         print(f"{m:<16} {d['rate_rps']:>9.1f} {d['weight']:>7.3g} {d['slo_ms']:>7.1f} {d['ok']:>9} "
-              f"{d['dropped']:>8} {d['rejected']:>8} {100 * d['attainment']:>6.2f}% {d['queued']:>6}")
+              f"{d.get('late', 0):>6} {d['dropped']:>8} {d['rejected']:>8} {100 * d['attainment']:>6.2f}% "
+              f"{d.get('goodput_rps', 0.0):>9.1f} {100 * d.get('invalid_rate', 0.0):>6.2f}% {d['queued']:>6}")
+        hi = d.get("high")
+        if hi and hi["accepted"]:
+            print(f"{'':<16} high priority: {hi['accepted']} accepted, {hi['ok_in_slo']} ok within the SLO, "
+                  f"{hi['dropped']} dropped")
     _print_executors(st["executors"], st.get("missing", []))
     last = st.get("replan", {}).get("last")
     if last:

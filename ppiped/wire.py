@@ -30,7 +30,7 @@ MAX_HEADER_BYTES = 1 << 20
 class T(IntEnum):
     """Message types. 1–15: client ↔ scheduler; 16–: executor ↔ scheduler and executor ↔ executor."""
 
-    SUBMIT = 1  # C→S  model, slo_us (0: the model's SLO), ids            + one frame per id
+    SUBMIT = 1  # C→S  model, slo_us (0: the model's SLO), ids[, priority] + one frame per id
     REPLY = 2  # S→C   ids, status, reason, meta                           + one frame per id if OK
     ERROR = 3  # any   code, message (the message could not be tied to request ids)
     PING = 4  # C→S    token
@@ -134,7 +134,7 @@ _KIND = {_uint: "unsigned int", _int: "int", _str: "string", _uints: "list of un
 
 Field = tuple[str, Callable[[Any], bool]]
 SCHEMAS: dict[int, tuple[Field, ...]] = {
-    T.SUBMIT: (("model", _str), ("slo_us", _uint), ("ids", _uints)),
+    T.SUBMIT: (("model", _str), ("slo_us", _uint), ("ids", _uints), ("priority", _uint)),
     T.REPLY: (("ids", _uints), ("status", _uint), ("reason", _str), ("meta", _any)),
     T.ERROR: (("code", _str), ("message", _str)),
     T.PING: (("token", _any),),
@@ -155,6 +155,10 @@ SCHEMAS: dict[int, tuple[Field, ...]] = {
     T.PREPARE: (("prep", _uint), ("assignments", _list)),
     T.PRELOADED: (("prep", _uint), ("load_us", _uint), ("error", _str)),
 }
+# trailing fields a sender may leave out, with the value they then take (older clients send
+# SUBMIT without a priority: the low class)
+OPTIONAL: dict[int, tuple[Any, ...]] = {T.SUBMIT: (0,)}
+PRIORITIES = 2  # SUBMIT.priority: 0 low, 1 high
 FEEDBACK_STRIDE = 6
 
 
@@ -175,8 +179,14 @@ def decode(frame: Any) -> list:
     if schema is None:
         raise ProtocolError(MALFORMED, f"unknown message type {h[1]!r}")
     if len(h) != 2 + len(schema):
-        raise ProtocolError(MALFORMED, f"{T(h[1]).name}: expected {len(schema)} fields "
-                            f"({', '.join(n for n, _ in schema)}), got {len(h) - 2}")
+        opt = OPTIONAL.get(h[1], ())
+        missing = 2 + len(schema) - len(h)
+        if not 0 < missing <= len(opt):
+            least = len(schema) - len(opt)
+            n = f"{least} to {len(schema)}" if opt else f"{len(schema)}"
+            raise ProtocolError(MALFORMED, f"{T(h[1]).name}: expected {n} fields "
+                                f"({', '.join(n for n, _ in schema)}), got {len(h) - 2}")
+        h.extend(opt[len(opt) - missing:])
     for i, (name, ok) in enumerate(schema):
         if not ok(h[i + 2]):
             raise ProtocolError(MALFORMED, f"{T(h[1]).name}.{name}: expected {_KIND[ok]}, "
@@ -201,7 +211,9 @@ def _short(x: Any) -> str:
 _pack = msgpack.packb
 
 
-def submit(model: str, slo_us: int, ids: Sequence[int]) -> bytes:
+def submit(model: str, slo_us: int, ids: Sequence[int], priority: int = 0) -> bytes:
+    if priority:
+        return _pack([VERSION, T.SUBMIT, model, slo_us, ids, priority])
     return _pack([VERSION, T.SUBMIT, model, slo_us, ids])
 
 

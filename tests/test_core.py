@@ -98,8 +98,9 @@ def _same(k, r):
 
 
 def run_lockstep(seed: int, policy: str = "ppipe", n_req: int = 60, fail_vgpu: bool = True,
-                 sched_kw: dict | None = None, check_ref: bool = True):
-    """Drive a Scheduler (and the reference) through a random workload; returns the log."""
+                 sched_kw: dict | None = None, check_ref: bool = True, high_share: float = 0.0):
+    """Drive a Scheduler (and the reference) through a random workload, a ``high_share`` of it
+    in the high priority class; returns the log."""
     rnd = random.Random(seed * 7919 + 1)
     plan, profiles = make_case(seed)
     sch = Scheduler(plan, profiles, policy, **(sched_kw or {}))
@@ -122,7 +123,7 @@ def run_lockstep(seed: int, policy: str = "ppipe", n_req: int = 60, fail_vgpu: b
         t += rnd.expovariate(1.0 / mean_gap)
         m = rnd.randrange(M)
         deadline[rid] = t + float(lay.slo_us[m]) * rnd.uniform(0.3, 1.2) + rid * 1e-3
-        add(t, "arrive", (rid, m))
+        add(t, "arrive", (rid, m, int(rnd.random() < high_share)))
     if fail_vgpu and lay.num_vgpus > 1:
         v = rnd.randrange(lay.num_vgpus)
         t0 = rnd.uniform(0, t)
@@ -140,10 +141,10 @@ def run_lockstep(seed: int, policy: str = "ppipe", n_req: int = 60, fail_vgpu: b
         else:
             now, kind, payload = wake, "wake", None
         if kind == "arrive":
-            rid, m = payload
-            sch.submit(rid, m, now, deadline[rid])
+            rid, m, prio = payload
+            sch.submit(rid, m, now, deadline[rid], priority=prio)
             if ref:
-                ref.submit(rid, m, deadline[rid], now)
+                ref.submit(rid, m, deadline[rid], now, prio)
         elif kind == "report":
             h, a, b = payload
             sch.report(h, a, b)
@@ -252,6 +253,15 @@ def test_pard_matches_reference(seed):
     run_lockstep(seed, "pard")
 
 
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from(["ppipe", "reactive", "ppipe-early-drop", "pard"]),
+       st.sampled_from([0.2, 0.5, 1.0]))
+def test_priority_classes_match_reference(seed, policy, share):
+    """Two classes: the kernel's second queue per model and the reference's one sorted list
+    agree on every batch, drop and wake-up, under every policy."""
+    run_lockstep(seed, policy, high_share=share)
+
+
 @pytest.mark.parametrize("policy", ["ppipe", "reactive", "pard"])
 def test_growing_the_arena_changes_nothing(policy):
     """Tiny initial capacities force every growth path; decisions stay identical."""
@@ -356,6 +366,43 @@ def test_drop_when_no_batch_size_meets_the_deadline():
     a = s.decide(0.0)
     assert a.drops() == [(1, "deadline")]
     assert [d.request_ids for d in a.dispatches()] == [(2,)]
+
+
+@pytest.mark.parametrize("policy", ["ppipe", "pard", "ppipe-early-drop"])
+def test_high_class_is_served_first_and_the_low_class_absorbs_the_drops(policy):
+    """One vGPU, batch 1, 100 µs each: 4 requests fit before the deadlines. Of 6 low and 3 high
+    requests, all with the same budget, the 3 high ones are served and 5 low ones dropped; the
+    high class also goes first when its deadlines are later."""
+    plan, profs = _one_pool_case(nv=1, bs=1, slo=10_000)
+    s = Scheduler(plan, profs, policy, margin_step=0.0, margin_prior=1.0)
+    for i in range(6):
+        s.submit(i, 0, 0.0, 420.0 + i)
+    for i in range(6, 9):
+        s.submit(i, 0, 0.0, 430.0 + i, priority=1)
+    a = s.decide(0.0)
+    served = [r for d in a.dispatches() for r in d.request_ids]
+    assert served[:3] == [6, 7, 8]
+    assert sorted(served) == [0, 6, 7, 8]
+    assert sorted(r for r, _ in a.drops()) == [1, 2, 3, 4, 5]
+    assert s.pending() == 0
+
+
+def test_reactive_ignores_the_priority_class():
+    plan, profs = _one_pool_case(nv=1, bs=1, slo=10_000)
+    s = Scheduler(plan, profs, "reactive")
+    s.submit(0, 0, 0.0, 5000.0)
+    s.submit(1, 0, 0.0, 6000.0, priority=1)
+    assert [d.request_ids for d in s.decide(0.0).dispatches()] == [(0,)]
+    assert s.pending(0) == 1 and s.cancel(1, 0) and s.pending() == 0
+
+
+def test_cancel_finds_a_high_class_request():
+    plan, profs = _one_pool_case(nv=1, bs=2)
+    s = Scheduler(plan, profs)
+    s.submit(0, 0, 0.0, 5000.0, priority=1)
+    assert s.pending(0) == 1
+    assert s.cancel(0, 0) and not s.cancel(0, 0)
+    assert s.pending() == 0
 
 
 def test_queueing_uses_reserved_slots_and_probe_counts():

@@ -45,7 +45,7 @@ def test_every_constructor_round_trips():
     (msgpack.packb([2, T.SUBMIT, "m", 0, [1]]), wire.VERSION_MISMATCH, "version 2"),
     (msgpack.packb([1, 77]), wire.MALFORMED, "unknown message type 77"),
     (msgpack.packb([1, "SUBMIT"]), wire.MALFORMED, "unknown message type"),
-    (msgpack.packb([1, T.SUBMIT, "m", 0]), wire.MALFORMED, "expected 3 fields"),
+    (msgpack.packb([1, T.SUBMIT, "m", 0]), wire.MALFORMED, "expected 3 to 4 fields"),
     (msgpack.packb([1, T.SUBMIT, 5, 0, [1]]), wire.MALFORMED, "SUBMIT.model: expected string"),
     (msgpack.packb([1, T.SUBMIT, "m", -1, [1]]), wire.MALFORMED, "SUBMIT.slo_us"),
     (msgpack.packb([1, T.SUBMIT, "m", 0, [1, True]]), wire.MALFORMED, "SUBMIT.ids"),
@@ -65,6 +65,20 @@ def test_header_size_limit_and_frame_count():
     wire.expect_frames(h, 2, len(h[4]))
     with pytest.raises(ProtocolError, match="announces 2"):
         wire.expect_frames(h, 1, len(h[4]))
+
+
+def test_submit_priority_is_an_optional_trailing_field():
+    """Older clients send SUBMIT without a priority: it decodes as the low class; a newer one
+    sends it only when it is not 0, so older daemons keep understanding low-class submits."""
+    assert wire.decode(wire.submit("m", 0, [1]))[5] == 0
+    assert wire.decode(wire.submit("m", 0, [1], 1))[5] == 1
+    assert len(wire.submit("m", 0, [1])) < len(wire.submit("m", 0, [1], 1))
+    with pytest.raises(ProtocolError, match="SUBMIT.priority"):
+        wire.decode(msgpack.packb([1, T.SUBMIT, "m", 0, [1], "high"]))
+    with pytest.raises(ProtocolError, match="expected 3 to 4 fields"):
+        wire.decode(msgpack.packb([1, T.SUBMIT, "m", 0, [1], 1, 2]))
+    with pytest.raises(ProtocolError, match="expected 1 fields"):  # no optional fields elsewhere
+        wire.decode(msgpack.packb([1, T.PING]))
 
 
 def test_bad_assignment_rejected():

@@ -124,10 +124,25 @@ def test_malformed_messages_get_errors_not_crashes(emulated):
         assert h[1] == T.ERROR and "DISPATCH" in h[3]
         h, rest = ask(wire.submit("tiny", 0, [9]), b"ok")
         assert h[1] == T.REPLY and h[3] == Status.OK and rest == [b"ok"]
+        h, _ = ask(wire.submit("tiny", 0, [10], 2), b"x")
+        assert h[1] == T.REPLY and h[3] == Status.REJECTED and "priority" in h[5]
     finally:
         s.close(0)
         ctx.term()
     assert emulated.status()["counters"]["malformed"] >= 5
+
+
+async def test_high_priority_requests_are_served_and_counted(emulated):
+    before = emulated.status()["models"]["tiny"]
+    async with AsyncClient(emulated.client_endpoint, timeout_s=10) as c:
+        rs = await c.submit_many("tiny", [b"a", b"b", b"c"], priority=1)
+        assert [r.data for r in rs] == [b"a", b"b", b"c"]
+        with pytest.raises(ValueError, match="priority"):
+            await c.submit("tiny", b"x", priority=5)
+    after = emulated.status()["models"]["tiny"]
+    assert after["high"]["accepted"] - before["high"]["accepted"] == 3
+    assert after["high"]["ok_in_slo"] - before["high"]["ok_in_slo"] == 3
+    assert after["goodput_rps"] > 0 and 0.0 <= after["invalid_rate"] <= 1.0
 
 
 async def test_impossible_slo_is_dropped_with_reason(emulated):

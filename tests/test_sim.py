@@ -267,3 +267,27 @@ def test_transfers_queue_on_a_shared_nic():
     assert sorted(latencies(fifo)) == [110.0, 120.0]
     _, free = run(plan, profs, [0.0, 0.0], "reactive", nic_fifo=False)
     assert latencies(free) == [110.0, 110.0]
+
+
+@pytest.mark.parametrize("policy", ["ppipe", "pard", "ppipe-early-drop"])
+def test_priority_classes_under_overload(policy):
+    """Twice the capacity of a 2-vGPU plan with noise, a fifth of it high priority: the high class
+    keeps (nearly) all its requests, the low class absorbs the drops, and every request ends
+    once. Reported per class in the JSON."""
+    plan, profs = tiny(nv=2, bs=1, slo=2000.0)
+    tr = generate("poisson", [2 * 2 * 1e6 / 100.0], 0.5, seed=4, high_share=0.2)
+    res = simulate(plan, profs, tr, policy, 0.05, 0, duration_s=0.5)
+    hi, lo = res.classes["high"][0], res.classes["low"][0]
+    assert hi.offered + lo.offered == len(tr) and hi.offered > 0.15 * len(tr)
+    assert hi.attainment >= 0.99 > 0.6 > lo.attainment
+    assert res.counters["ended_twice"] == 0 and res.models[0].unfinished == 0
+    assert res.to_json()["classes"]["high"]["min_attainment"] == hi.attainment
+
+
+def test_high_share_keeps_the_arrival_times():
+    a = generate("poisson", [1000.0, 500.0], 1.0, seed=2)
+    b = generate("poisson", [1000.0, 500.0], 1.0, seed=2, high_share=0.3)
+    assert a.priority is None and np.array_equal(a.times_us, b.times_us)
+    assert 0.25 < b.priority.mean() < 0.35
+    with pytest.raises(Exception, match="share"):
+        generate("poisson", [1.0], 1.0, seed=0, high_share=1.5)

@@ -23,7 +23,9 @@ def add_world_args(p: argparse.ArgumentParser) -> None:
                         "rate/native-rate windows of the trace as the PPipe artifact does (fold)")
     p.add_argument("--duration", type=float, default=30.0, help="simulated seconds of arrivals (default 30)")
     p.add_argument("--seed", type=int, default=0, help="seeds the trace and the latency jitter")
-    p.add_argument("--policy", default="ppipe", help="ppipe (reservations), reactive, ppipe-early-drop")
+    p.add_argument("--policy", default="ppipe", help="ppipe (reservations), reactive, ppipe-early-drop, pard")
+    p.add_argument("--high-share", type=float, default=0.0, metavar="F",
+                   help="share of requests in the high priority class (default 0); reported per class")
     p.add_argument("--jitter", type=float, default=None, metavar="SIGMA",
                    help="lognormal sigma of executor latency around the profile (default 0.05; 0: none)")
     p.add_argument("--start-early-us", type=float, default=float("inf"),
@@ -92,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
             mid = args.duration * 1e6 / 2
             window = (mid, mid + 200e3)
     opt = options_from(args, timeline_us=window)
-    trace = generate(args.trace, list(rates), args.duration, args.seed, args.cv, args.trace_scale)
+    trace = generate(args.trace, list(rates), args.duration, args.seed, args.cv, args.trace_scale,
+                     args.high_share)
     res = simulate(plan, profiles, trace, args.policy, opt.sigma, args.seed, duration_s=args.duration,
                    options=opt)
     res.extra.update(trace=args.trace, load_factor=args.load_factor,

@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
             rates = base_rates(load_plan(base) if base.is_file() else plan, names)
             spec = PointSpec(str(path), str(args.profiles), args.trace, args.duration, args.seed, args.policy,
                              opt.sigma, args.cv, opt.start_early_us, args.base_plan,
-                             None if args.plot else args.target, trace_scale=args.trace_scale)
+                             None if args.plot else args.target, trace_scale=args.trace_scale,
+                             high_share=args.high_share)
             sr = sweep(spec, args.target, args.step, args.resolution, args.max_factor, pool, args.jobs,
                        args.start)
             lf = sr.max_load_factor

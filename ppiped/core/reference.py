@@ -80,6 +80,7 @@ class RefRequest:
     deadline: float
     src: int = -1
     seq: int = 0  # arrival order, for deterministic comparisons only
+    prio: int = 0  # > 0: the high class, batched first by the reserving policies
 
 
 @dataclass
@@ -101,7 +102,8 @@ class RefScheduler:
     def __init__(self, layout: Layout, policy: str = "ppipe", min_wait_us: float = 1.0,
                  wait_guard_us: float = 0.0, early_drop: bool = False, margin_quantile: float = 0.9,
                  margin_quantile_hi: float = 0.99, margin_step: float = 0.02, margin_max: float = 4.0,
-                 work_conserving: bool = True, pard: bool = False, margin_prior: float = 1.25):
+                 work_conserving: bool = True, pard: bool = False, margin_prior: float = 1.25,
+                 class_room: float = 0.25):
         self.L = layout
         self.policy = policy
         self.min_wait = min_wait_us
@@ -121,6 +123,8 @@ class RefScheduler:
         self.last = [-INF] * len(layout.models)  # latest arrival per model
         self.gap = [float(g) for g in layout.planned_gap_us()]  # mean arrival gap per model (EWMA)
         self.hbf_until = [-INF] * len(layout.models)  # under pressure until (HBF too with pard)
+        self.hi_until = [-INF] * len(layout.models)  # the high class is active until
+        self.room = class_room
         M, P = len(layout.models), layout.num_pools
         self.queues: list[list[RefRequest]] = [[] for _ in range(M + P)]
         self.alive = [True] * layout.num_vgpus
@@ -142,13 +146,20 @@ class RefScheduler:
     def _down(self, s: int) -> int:
         return self.L.num_vgpus + 2 * s + 1
 
-    def submit(self, rid: int, model: int, deadline: float, arrival: float = 0.0) -> None:
+    def submit(self, rid: int, model: int, deadline: float, arrival: float = 0.0, prio: int = 0) -> None:
         self.seq += 1
         if self.last[model] > -INF:
             gap = max(arrival - self.last[model], 0.0)
             self.gap[model] = gap if self.gap[model] == INF else 0.75 * self.gap[model] + 0.25 * gap
         self.last[model] = max(self.last[model], arrival)
-        self._push(model, RefRequest(rid, deadline, -1, self.seq))
+        if self.policy != "ppipe":
+            prio = 0
+        slo = float(self.L.slo_us[model])
+        if prio > 0:
+            self.hi_until[model] = max(self.hi_until[model], arrival + 20 * slo)
+        elif self.hi_until[model] > arrival:
+            deadline -= self.room * slo  # the room left to the high class
+        self._push(model, RefRequest(rid, deadline, -1, self.seq, prio))
 
     def _push(self, q: int, r: RefRequest) -> None:
         self.dirty[q] = True
@@ -305,7 +316,12 @@ class RefScheduler:
                 d.reservations.append((v, 0, s, s + lat))
                 prev_s = sv
             hbf = self.pard and self.hbf_until[m] > now
-            d.rids = [q.pop(-1 if hbf else 0).rid for _ in range(take)]
+            high = [r for r in q if r.prio > 0][:take]
+            low = [r for r in q if r.prio <= 0]
+            low = low[::-1] if hbf else low
+            d.rids = [r.rid for r in high + low[:take - len(high)]]
+            taken = set(d.rids)
+            q[:] = [r for r in q if r.rid not in taken]
             out.append(d)
         return INF
 

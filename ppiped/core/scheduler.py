@@ -160,7 +160,7 @@ class Scheduler:
     def __init__(self, plan: Plan, profiles: dict[str, Profile], policy: str | Policy = "ppipe",
                  layout: Layout | None = None, *, min_wait_us: float = 1.0, wait_guard_us: float = 0.0,
                  margin_quantile: float = 0.9, margin_quantile_hi: float = 0.99, margin_step: float = 0.02,
-                 margin_max: float = 4.0, margin_prior: float = 1.25,
+                 margin_max: float = 4.0, margin_prior: float = 1.25, class_room: float = 0.25,
                  work_conserving: bool = True,
                  table_capacity: int = 32, queue_capacity: int = 256, request_slots: int = 1024):
         if isinstance(policy, str):
@@ -172,6 +172,8 @@ class Scheduler:
         if not 0.0 < margin_quantile <= margin_quantile_hi < 1.0:
             raise ValueError("margin quantiles must satisfy 0 < margin_quantile <= margin_quantile_hi < 1, "
                              f"got {margin_quantile}, {margin_quantile_hi}")
+        if not 0.0 <= class_room < 1.0:
+            raise ValueError(f"class_room must be within [0, 1), got {class_room}")
         if margin_step < 0.0 or margin_max < 1.0:
             raise ValueError(f"margin_step must be >= 0 and margin_max >= 1 (got {margin_step}, {margin_max})")
         if policy.early_drop and not policy.reserve:
@@ -183,7 +185,7 @@ class Scheduler:
             raise ValueError(f"{lay.num_resources} resources: at most {1 << S.HANDLE_SHIFT} fit in a handle")
         M, P = len(lay.models), lay.num_pools
         dims = dict(V=lay.num_vgpus, S=lay.num_servers, R=lay.num_resources, P=P, N=lay.num_pipelines,
-                    M=M, Q=M + P, B=lay.max_batch, K=int(max(lay.pipe_npools, default=1)),
+                    M=M, Q=2 * M + P, B=lay.max_batch, K=int(max(lay.pipe_npools, default=1)),
                     C=table_capacity, QC=queue_capacity, SC=request_slots, BR=max(64, lay.num_vgpus),
                     OD=64, OR=256, OQ=256, OX=256)
         a = S.Arena(dims)
@@ -213,6 +215,8 @@ class Scheduler:
         a.F[S.F_MARGIN_STEP] = margin_step
         a.F[S.F_MARGIN_MAX] = margin_max
         a.F[S.F_MARGIN_PRIOR] = margin_prior
+        a.F[S.F_CLASS_ROOM] = class_room
+        a.view("m_hi_until")[:] = -np.inf
         a.view("v_margin")[:] = 1.0
         a.view("v_margin_hi")[:] = 1.0
         a.view("m_last")[:] = -np.inf
@@ -242,7 +246,9 @@ class Scheduler:
 
     def submit(self, req_id: int, model: int, arrival_us: float, deadline_us: float | None = None,
                priority: int = 0) -> None:
-        """Queue a request; ``deadline_us`` defaults to arrival + the model's SLO from the plan."""
+        """Queue a request; ``deadline_us`` defaults to arrival + the model's SLO from the plan.
+        ``priority`` > 0 is the high class: the reserving policies batch it before the low class,
+        so under overload the low class absorbs the drops (reactive ignores it)."""
         if deadline_us is None:
             deadline_us = arrival_us + self.layout.slo_us[model]
         status = self._submit(self._A, req_id, model, arrival_us, deadline_us, priority)
@@ -267,9 +273,12 @@ class Scheduler:
         return bool(K.cancel(self._A, req_id, model))
 
     def pending(self, model: int | None = None) -> int:
-        """Requests waiting in queues (``model=None``: all queues, including reactive stage queues)."""
+        """Requests waiting in queues (``model=None``: all queues, including reactive stage queues;
+        a model's count includes its high-priority queue)."""
         q = self._arena.view("q_size")
-        return int(q.sum() if model is None else q[model])
+        if model is None:
+            return int(q.sum())
+        return int(q[model] + q[len(q) - len(self.layout.models) + model])
 
     # --- the decision ----------------------------------------------------------------------
 

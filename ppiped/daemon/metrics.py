@@ -97,11 +97,26 @@ def render(srv: Server) -> str:
     for i, n in enumerate(names):
         for reason, v in sorted(srv.stats[i].rejected.items()):
             lines.append(f"ppiped_rejects_total{_labels(model=n, reason=reason)} {v}")
+    head("ppiped_late_total", "counter", "Requests answered ok after their deadline (counted in ok too).")
+    for i, n in enumerate(names):
+        lines.append(f"ppiped_late_total{_labels(model=n)} {srv.stats[i].ok_late}")
     head("ppiped_attainment_ratio", "gauge", "Share of answered requests served within the SLO.")
     for i, n in enumerate(names):
         s = srv.stats[i]
         answered = s.ok + sum(s.dropped.values())
-        lines.append(f"ppiped_attainment_ratio{_labels(model=n)} {s.ok / answered if answered else 1.0:.6g}")
+        good = s.ok - s.ok_late
+        lines.append(f"ppiped_attainment_ratio{_labels(model=n)} {good / answered if answered else 1.0:.6g}")
+    head("ppiped_gpu_seconds_total", "counter",
+         "Measured GPU time of answered requests, by whether it was useful (valid) or spent on "
+         "requests answered late or failed after starting (invalid).")
+    for i, n in enumerate(names):
+        s = srv.stats[i]
+        lines.append(f"ppiped_gpu_seconds_total{_labels(model=n, use='valid')} {(s.gpu_us - s.invalid_us) / 1e6:.6g}")
+        lines.append(f"ppiped_gpu_seconds_total{_labels(model=n, use='invalid')} {s.invalid_us / 1e6:.6g}")
+    head("ppiped_class_requests_total", "counter", "High priority class: accepted, ok within the SLO, dropped.")
+    for i, n in enumerate(names):
+        for outcome, v in zip(("accepted", "ok", "dropped"), srv.stats[i].high, strict=True):
+            lines.append(f"ppiped_class_requests_total{_labels(model=n, priority='high', outcome=outcome)} {v}")
     head("ppiped_arrival_rate_rps", "gauge", "Measured arrival rate (EWMA), requests per second.")
     for i, n in enumerate(names):
         lines.append(f"ppiped_arrival_rate_rps{_labels(model=n)} {srv.rates.rates[i]:.6g}")

@@ -77,9 +77,10 @@ class Req:
     """A request from SUBMIT until its reply. ``arrival`` is when the scheduler received it (a
     retry keeps it); one is made per request, so the constructor is kept to plain stores."""
 
-    __slots__ = ("ident", "cid", "frame", "model", "arrival", "deadline", "retried")
+    __slots__ = ("ident", "cid", "frame", "model", "arrival", "deadline", "retried", "prio")
 
-    def __init__(self, ident: bytes, cid: int, frame: Any, model: int, arrival: int, deadline: int) -> None:
+    def __init__(self, ident: bytes, cid: int, frame: Any, model: int, arrival: int, deadline: int,
+                 prio: int = 0) -> None:
         self.ident = ident
         self.cid = cid
         self.frame = frame
@@ -87,13 +88,14 @@ class Req:
         self.arrival = arrival
         self.deadline = deadline
         self.retried = False
+        self.prio = prio
 
 
 class Batch:
     """A dispatched batch until every request in it is answered and every hop reported."""
 
     __slots__ = ("id", "model", "path", "infer_h", "link_h", "reqs", "finish", "answered", "times",
-                 "done_at")
+                 "done_at", "size")
 
     def __init__(self, bid: int, model: int, path: list[int], infer_h: list[int],
                  link_h: list[tuple[int, int] | None], reqs: dict[int, Req], finish: float) -> None:
@@ -101,6 +103,7 @@ class Batch:
         self.reqs, self.finish, self.answered = reqs, finish, False
         self.times: list[tuple[int, int, int] | None] = [None] * len(path)  # per hop (ready, start, end)
         self.done_at = 0
+        self.size = len(reqs)
 
 
 class ExecState:
@@ -128,10 +131,14 @@ class ModelStats:
     """Per model: counts, and the admission window (see :meth:`Server.adjust_limits`)."""
 
     __slots__ = ("accepted", "ok", "dropped", "rejected", "batches", "batch_reqs", "answered", "limit",
-                 "late", "limited", "peak", "calm", "was_late")
+                 "late", "limited", "peak", "calm", "was_late", "ok_late", "gpu_us", "invalid_us", "high")
 
     def __init__(self) -> None:
         self.accepted = self.ok = self.batches = self.batch_reqs = 0
+        self.ok_late = 0  # of ``ok``: answered after the deadline
+        self.gpu_us = 0.0  # measured GPU time of answered batches, and of it the share spent on
+        self.invalid_us = 0.0  # requests answered late or failed after starting
+        self.high = [0, 0, 0]  # the high priority class: accepted, ok within the SLO, dropped
         self.dropped: dict[str, int] = defaultdict(int)
         self.rejected: dict[str, int] = defaultdict(int)
         self.answered = 0  # accepted requests answered (any outcome): in flight = accepted - answered
@@ -479,11 +486,16 @@ class Server:
                 "input": spec}
 
     def on_submit(self, ident: bytes, h: list, msg: list, t: int) -> None:
-        _, _, model, slo_us, ids = h
+        _, _, model, slo_us, ids, prio = h
         frames = msg[2:]
         if not ids:
             self.counters["malformed"] += 1
             send_parts(self.client, [ident, wire.error(wire.MALFORMED, "SUBMIT carries no requests")])
+            return
+        if prio >= wire.PRIORITIES:
+            self.counters["malformed"] += 1
+            self._reject(ident, ids, wire.MALFORMED, None,
+                         f"SUBMIT.priority {prio}: 0 (low) or 1 (high)")
             return
         if len(ids) != len(frames):
             self.counters["malformed"] += 1
@@ -546,11 +558,13 @@ class Server:
                 bad.setdefault(wire.OVERLOADED, []).append(cid)
                 continue
             room -= 1
-            reqs[rid] = Req(ident, cid, f, m, t, deadline)
+            reqs[rid] = Req(ident, cid, f, m, t, deadline, prio)
             rid += 1
         if rid > rid0:  # the accepted ones have consecutive ids: one compiled call queues them all
-            self.core.submit_many(rid0, rid - rid0, m, float(t), float(deadline))
+            self.core.submit_many(rid0, rid - rid0, m, float(t), float(deadline), prio)
         st.accepted += rid - rid0
+        if prio:
+            st.high[0] += rid - rid0
         if inflight + rid - rid0 > st.peak:
             st.peak = inflight + rid - rid0
         self.next_rid = rid
@@ -595,6 +609,8 @@ class Server:
             st = self.stats[r.model]
             st.dropped[reason] += 1
             st.answered += 1
+            if r.prio:
+                st.high[2] += 1
         for ident, cids in by.items():
             send_parts(self.client, [ident, wire.reply(cids, Status.DROPPED, reason)])
 
@@ -637,6 +653,8 @@ class Server:
                 st = self.stats[r.model]
                 st.dropped[reason] += 1
                 st.answered += 1
+                if r.prio:
+                    st.high[2] += 1
                 by[(r.ident, reason)].append(r.cid)
             for (ident, reason), cids in by.items():
                 send_parts(self.client, [ident, wire.reply(cids, Status.DROPPED, reason)])
@@ -761,7 +779,7 @@ class Server:
             rid = self.next_rid
             self.next_rid += 1
             self.reqs[rid] = r
-            self.core.submit(rid, r.model, float(r.arrival), float(r.deadline))
+            self.core.submit(rid, r.model, float(r.arrival), float(r.deadline), r.prio)
             self.counters["retried"] += 1
         if late:
             self._drop_reqs(late, wire.EXECUTOR_LOST)
@@ -990,12 +1008,19 @@ class Server:
         st.late.append(t - b.finish)
         if t >= self.adjust_at:
             self.adjust_limits(t)
+        # GPU time per request of this batch, from the hops measured so far
+        per = sum(x[2] - x[1] for x in b.times if x is not None) / (b.size or 1)
+        wasted = 0
         if ids:
             by: dict[bytes, tuple[list[int], list]] = {}
             for rid, f in zip(ids, frames):  # noqa: B905
                 r = b.reqs.pop(rid, None)
                 if r is None:
                     continue
+                if t > r.deadline:
+                    wasted += 1
+                elif r.prio:
+                    st.high[1] += 1
                 e = by.get(r.ident)
                 if e is None:
                     e = by[r.ident] = ([], [])
@@ -1005,11 +1030,18 @@ class Server:
                 send_parts(self.client, [ident, wire.reply(cids, Status.OK, "", meta), *fs])
                 st.ok += len(cids)
                 st.answered += len(cids)
+                st.gpu_us += per * len(cids)
+            st.ok_late += wasted
+            st.invalid_us += per * wasted
         if failed:
             for i in range(0, len(failed) - 1, 2):
                 r = b.reqs.pop(failed[i], None)
                 if r is None:
                     continue
+                st.gpu_us += per
+                st.invalid_us += per
+                if r.prio:
+                    st.high[2] += 1
                 text = str(failed[i + 1])
                 code = text.split(":", 1)[0]
                 status = Status.REJECTED if code == wire.BAD_INPUT else Status.DROPPED
@@ -1202,7 +1234,12 @@ class Server:
         models = {}
         for i, m in enumerate(self.model_names):
             s = self.stats[i]
+            up = max((t - self.started) / 1e6, 1e-9)
             models[m] = {"slo_ms": self.slo_us[i] / 1000, "accepted": s.accepted, "ok": s.ok,
+                         "ok_late": s.ok_late, "goodput_rps": (s.ok - s.ok_late) / up,
+                         "drop_rate": sum(s.dropped.values()) / s.accepted if s.accepted else 0.0,
+                         "invalid_rate": s.invalid_us / s.gpu_us if s.gpu_us else 0.0,
+                         "high": {"accepted": s.high[0], "ok_in_slo": s.high[1], "dropped": s.high[2]},
                          "dropped": dict(s.dropped), "rejected": dict(s.rejected),
                          "in_flight": s.accepted - s.answered,
                          "limit": s.limit if math.isfinite(s.limit) else None,

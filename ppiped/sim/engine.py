@@ -434,7 +434,7 @@ def _nv(a):
 
 
 @njit(cache=True)
-def run_loop(A, si, sf, arr_t, arr_m, slo, miss_allow, v_pool, v_server, lat, tin,
+def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, lat, tin,
              nic_s, nic_e, nic_n, nic_busy,
              et, es, ex, bi, bhi, bhf, breq, j_next,
              v_head, v_run, v_timer, v_busy, r_state, r_end, r_gpu, miss, rb_h, rb_f, tl_i, tl_f):
@@ -448,6 +448,7 @@ def run_loop(A, si, sf, arr_t, arr_m, slo, miss_allow, v_pool, v_server, lat, ti
     sf = _nv(sf)
     arr_t = _nv(arr_t)
     arr_m = _nv(arr_m)
+    arr_p = _nv(arr_p)
     slo = _nv(slo)
     miss_allow = _nv(miss_allow)
     v_pool = _nv(v_pool)
@@ -587,7 +588,7 @@ def run_loop(A, si, sf, arr_t, arr_m, slo, miss_allow, v_pool, v_server, lat, ti
             ai = si[I_AI]
             while ai < n_arr and arr_t[ai] == now:
                 m = arr_m[ai]
-                st = K.submit(A, ai, m, now, now + slo[m], 0)
+                st = K.submit(A, ai, m, now, now + slo[m], arr_p[ai])
                 if st != OK:
                     return st
                 ai += 1

@@ -55,6 +55,7 @@ class SimResult:
     speed: dict[str, float] = field(default_factory=dict)
     timeline: list[tuple[str, float, float, int, int]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    classes: dict[str, list[ModelResult]] = field(default_factory=dict)  # "high"/"low" when both ran
 
     @property
     def min_attainment(self) -> float:
@@ -63,6 +64,10 @@ class SimResult:
     @property
     def offered(self) -> int:
         return sum(m.offered for m in self.models)
+
+    def class_min_attainment(self, name: str) -> float:
+        """Worst model's attainment within priority class ``name`` (models it never used count 1)."""
+        return min((m.attainment for m in self.classes.get(name, [])), default=1.0)
 
     def to_json(self, speed: bool = True) -> dict[str, Any]:
         c = self.counters
@@ -88,6 +93,13 @@ class SimResult:
             "probes_per_dispatch": c["probes"] / c["dispatches"] if c["dispatches"] else 0.0,
             "counters": c,
         }
+        if self.classes:
+            d["classes"] = {
+                name: {"min_attainment": self.class_min_attainment(name),
+                       "models": [{"model": m.model, "offered": m.offered, "attainment": m.attainment,
+                                   "goodput_rps": m.goodput_rps, "late": m.late, "drop_rate": m.drop_rate,
+                                   "invalid_rate": m.invalid_rate} for m in ms]}
+                for name, ms in self.classes.items()}
         if speed:
             d["speed"] = self.speed
         return d
@@ -101,6 +113,11 @@ class SimResult:
             lines.append(f"{m.model[:44]:<44} {m.rate_rps:8.1f} {m.offered:8d} {100 * m.attainment:8.2f} "
                          f"{m.goodput_rps:9.1f} {m.late:6d} {sum(m.drops.values()):8d} "
                          f"{100 * m.invalid_rate:8.2f} {m.p50_ms:8.2f} {m.p99_ms:8.2f}")
+        for name, ms in self.classes.items():
+            off = sum(m.offered for m in ms)
+            lines.append(f"class {name}: {off} requests, worst model attainment "
+                         f"{100 * self.class_min_attainment(name):.2f}%, dropped "
+                         f"{sum(sum(m.drops.values()) for m in ms)}, late {sum(m.late for m in ms)}")
         util = "  ".join(f"{g} {100 * u:.1f}%" for g, u in self.utilization.items())
         c = self.counters
         ppd = c["probes"] / c["dispatches"] if c["dispatches"] else 0.0
@@ -115,14 +132,14 @@ class SimResult:
 
 def model_results(names: list[str], rates: np.ndarray, arr_t: np.ndarray, arr_m: np.ndarray,
                   slo_us: np.ndarray, r_state: np.ndarray, r_end: np.ndarray, r_gpu: np.ndarray | None = None,
-                  duration_s: float = 0.0) -> list[ModelResult]:
+                  duration_s: float = 0.0, subset: np.ndarray | None = None) -> list[ModelResult]:
     """Per-model attainment, goodput, lateness, drops by reason, invalid rate and latency
     percentiles. The invalid rate is the share of the model's GPU time spent on requests that
     ended late or were dropped after a batch had started on them (``r_gpu``: GPU µs per
-    request)."""
+    request). ``subset`` (a mask over requests) restricts it to some, e.g. a priority class."""
     out = []
     for m, name in enumerate(names):
-        sel = arr_m == m
+        sel = arr_m == m if subset is None else (arr_m == m) & subset
         st = r_state[sel]
         done = st == R_SERVED
         lat = r_end[sel][done] - arr_t[sel][done]

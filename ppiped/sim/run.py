@@ -60,6 +60,7 @@ class SimOptions:
     wait_guard_us: float = 0.0
     margin_quantile: float = 0.9
     margin_step: float = 0.02
+    class_room: float = 0.25  # share of the SLO the low class leaves to the high class
 
 
 class Simulation:
@@ -74,7 +75,7 @@ class Simulation:
         self.plan, self.options, self.seed = plan, opt, int(seed)
         self.sched = Scheduler(plan, profiles, policy, layout, min_wait_us=opt.min_wait_us,
                                wait_guard_us=opt.wait_guard_us, margin_quantile=opt.margin_quantile,
-                               margin_step=opt.margin_step,
+                               margin_step=opt.margin_step, class_room=opt.class_room,
                                work_conserving=math.isinf(opt.start_early_us))
         lay = self.layout = self.sched.layout
         M = len(lay.models)
@@ -85,6 +86,10 @@ class Simulation:
         if len(t) > 1 and np.any(np.diff(t) < 0):
             raise ValueError("trace arrival times must be sorted")
         self.arr_t, self.arr_m = t, m
+        self.arr_p = (np.ascontiguousarray(trace.priority, dtype=np.int64) if trace.priority is not None
+                      else np.zeros(len(t), dtype=np.int64))
+        if len(self.arr_p) != len(t):
+            raise ValueError(f"trace has {len(t)} arrivals and {len(self.arr_p)} priorities")
         self.duration_s = float(duration_s) if duration_s is not None else (float(t[-1]) / 1e6 if len(t) else 0.0)
         self.slo = np.ascontiguousarray(lay.slo_us, dtype=np.float64)
         self.offered = np.bincount(m, minlength=M)
@@ -189,7 +194,7 @@ class Simulation:
         t0 = time.perf_counter()
         while True:
             st = E.run_loop(
-                self.sched._A, self.si, self.sf, self.arr_t, self.arr_m, self.slo, self.miss_allow,
+                self.sched._A, self.si, self.sf, self.arr_t, self.arr_m, self.arr_p, self.slo, self.miss_allow,
                 self.v_pool, self.v_server, self.lat, self.tin, self.nic_s, self.nic_e, self.nic_n, self.nic_busy, self.et, self.es,
                 self.ex, self.bi, self.bhi, self.bhf, self.breq, self.j_next, self.v_head, self.v_run, self.v_timer, self.v_busy, self.r_state,
                 self.r_end, self.r_gpu, self.miss, self.rb_h, self.rb_f, self.tl_i, self.tl_f)
@@ -220,6 +225,12 @@ class Simulation:
             tl.append((_vgpu_label(lay, v), float(self.tl_f[i, 0]), float(self.tl_f[i, 1]), m, bs))
         res = SimResult(self.sched.policy.name, Path(self.plan.source).name, self.duration_s, self.seed,
                         self.options.sigma, models, util, counters, stopped, speed, tl)
+        if self.arr_p.any():
+            for name, sel in (("high", self.arr_p > 0), ("low", self.arr_p <= 0)):
+                off = np.bincount(self.arr_m[sel], minlength=len(lay.models))
+                res.classes[name] = model_results(
+                    lay.models, off / self.duration_s if self.duration_s > 0 else off * 0.0, self.arr_t,
+                    self.arr_m, self.slo, self.r_state, self.r_end, self.r_gpu, self.duration_s, sel)
         if self.duration_s > 0:
             nb = self.nic_busy / (self.duration_s * 1e6)
             res.extra["nic_max_utilization"] = {"uplink": float(nb[0::2].max()), "downlink": float(nb[1::2].max())}
@@ -294,7 +305,8 @@ def run_load_factor(plan_path: str | Path, profiles: dict[str, Profile], load_fa
                     kind: str = "poisson", duration_s: float = 30.0, seed: int = 0,
                     policy: str = "ppipe", jitter: float = DEFAULT_SIGMA, cv: float = 2.0,
                     base_plan: str | Path | None = None, options: SimOptions | None = None,
-                    cache: dict | None = None, trace_scale: str = "stretch") -> SimResult:
+                    cache: dict | None = None, trace_scale: str = "stretch", high_share: float = 0.0
+                    ) -> SimResult:
     """Simulate a plan file at ``load_factor`` x the base plan's per-model throughput.
 
     ``base_plan`` defaults to the ``_v4`` sibling of a reference plan (else the plan itself).
@@ -309,7 +321,7 @@ def run_load_factor(plan_path: str | Path, profiles: dict[str, Profile], load_fa
         rates = base_rates(bplan, [m.model for m in plan.models])
         cache[key] = (plan, rates, Layout.from_plan(plan, profiles))
     plan, rates, lay = cache[key]
-    trace = generate(kind, list(load_factor * rates), duration_s, seed, cv, trace_scale)
+    trace = generate(kind, list(load_factor * rates), duration_s, seed, cv, trace_scale, high_share)
     res = simulate(plan, profiles, trace, policy, jitter, seed, duration_s=duration_s, options=options,
                    layout=lay)
     res.extra.update(load_factor=load_factor, trace=kind)
@@ -352,6 +364,7 @@ class PointSpec:
     stop_below: float | None = None
     nic_fifo: bool = True
     trace_scale: str = "stretch"  # trace files: stretch or fold (see workload.azure_functions)
+    high_share: float = 0.0  # share of requests in the high priority class
 
     def result(self, load_factor: float, stop: bool = True, timeline_us: tuple[float, float] | None = None
                ) -> SimResult:
@@ -360,7 +373,7 @@ class PointSpec:
                          nic_fifo=self.nic_fifo)
         return run_load_factor(self.plan, _profiles(self.profiles), load_factor, self.trace, self.duration_s,
                                self.seed, self.policy, self.sigma, self.cv, self.base_plan, opt, _PLANS,
-                               self.trace_scale)
+                               self.trace_scale, self.high_share)
 
     def __call__(self, load_factor: float) -> float:
         return self.result(load_factor).min_attainment

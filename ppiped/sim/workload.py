@@ -18,13 +18,25 @@ from ..errors import InputError
 
 @dataclass(frozen=True)
 class Trace:
-    """Merged multi-model arrivals: ``times_us[i]`` is when request i arrives for ``model[i]``."""
+    """Merged multi-model arrivals: ``times_us[i]`` is when request i arrives for ``model[i]``,
+    in priority class ``priority[i]`` (0 low, 1 high; ``None``: all low)."""
 
     times_us: np.ndarray
     model: np.ndarray
+    priority: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.times_us)
+
+    def with_high_share(self, share: float, seed: int) -> Trace:
+        """The same arrivals with each request high-priority with probability ``share``,
+        independently (its own random stream: the times stay bit for bit the same)."""
+        if not 0.0 <= share <= 1.0:
+            raise InputError(f"high-priority share must be within [0, 1], got {share}")
+        if share == 0.0:
+            return Trace(self.times_us, self.model)
+        rng = np.random.default_rng([seed, 0x9E3779B9])
+        return Trace(self.times_us, self.model, (rng.random(len(self.times_us)) < share).astype(np.int64))
 
 
 def _renewal(gaps_fn, rate_rps: float, duration_s: float, rng: np.random.Generator) -> np.ndarray:
@@ -140,9 +152,10 @@ def _fold(starts: np.ndarray, rate_rps: float, duration_s: float, path: Path) ->
 
 
 def generate(kind: str, rates_rps: Sequence[float], duration_s: float, seed: int,
-             cv: float = 2.0, trace_scale: str = "stretch") -> Trace:
+             cv: float = 2.0, trace_scale: str = "stretch", high_share: float = 0.0) -> Trace:
     """Arrivals for several models at once; ``kind`` is poisson, bursty or a trace file path
-    (replayed per ``trace_scale``, see :func:`azure_functions`)."""
+    (replayed per ``trace_scale``, see :func:`azure_functions`); a ``high_share`` of requests
+    is in the high priority class."""
     rng = np.random.default_rng(seed)
     times, models = [], []
     for i, r in enumerate(rates_rps):
@@ -160,8 +173,8 @@ def generate(kind: str, rates_rps: Sequence[float], duration_s: float, seed: int
         times.append(t)
         models.append(np.full(len(t), i, dtype=np.int32))
     if not times:
-        return Trace(np.empty(0), np.empty(0, dtype=np.int32))
+        return Trace(np.empty(0), np.empty(0, dtype=np.int32)).with_high_share(high_share, seed)
     t = np.concatenate(times)
     m = np.concatenate(models)
     order = np.argsort(t, kind="stable")
-    return Trace(t[order], m[order])
+    return Trace(t[order], m[order]).with_high_share(high_share, seed)
