@@ -31,6 +31,7 @@ from .state import (
     F_MARGIN_QHI,
     F_MARGIN_STEP,
     F_MIN_WAIT,
+    F_PRESSURE_ROOM,
     F_WAKE,
     FULL_BATCH,
     FULL_OUT,
@@ -78,6 +79,7 @@ from .state import (
     OK,
     POLICY_REACTIVE,
     RK,
+    ROOM_STEP,
     TB,
     X_B_FINAL,
     X_B_FREE,
@@ -90,6 +92,7 @@ from .state import (
     X_M_HI_UNTIL,
     X_M_HOLD,
     X_M_LAST,
+    X_M_ROOM,
     X_MODEL_PIPE0,
     X_OD_BS,
     X_OD_FINAL,
@@ -154,6 +157,7 @@ from .state import (
     X_V_MARGIN_HI,
     X_V_NREP,
     X_V_POOL,
+    X_V_RFIN,
     X_V_RH,
     X_V_RLEN,
     X_V_SERVER,
@@ -467,6 +471,12 @@ def _hiq(A, m):
     return A[H_Q] - A[H_M] + m
 
 
+@njit(cache=True, inline="always")
+def _pressure(A, F, m, now):
+    """Model ``m`` dropped at ``now``: under pressure for its hold time (an SLO)."""
+    F[off(A, X_Q_HBF) + m] = now + F[off(A, X_M_HOLD) + m]
+
+
 @njit(i8(I1, F1, i8, i8), cache=True)
 def _drop_all(A, F, q, reason):
     dq = queues_desc(A)
@@ -588,6 +598,7 @@ def _commit_ppipe(A, F, m, p, take, buf, fin, now, from_max):
         j = v * RK + (h >> HANDLE_SHIFT) % RK
         A[off(A, X_V_RH) + j] = h
         F[off(A, X_V_RLEN) + j] = F[off(A, X_PR_LPROF) + buf * K + k]
+        F[off(A, X_V_RFIN) + j] = s + F[o_ld + k] if k == npools - 1 else -INF
         prev_s = sv
     dq = queues_desc(A)
     hq = _hiq(A, m)
@@ -657,7 +668,12 @@ def _ppipe_queue(A, F, m, now):
         # 1. the pipeline with the least waiting at its planned batch size, among those that
         # meet the oldest deadline if any does (a batch that waited for the last moment of one
         # pipeline must not then move to a slower one that misses it)
-        dh = _oldest(A, F, dq, m, hq)[1]
+        # under pressure, PARD books against the deadline less the model's learned room (how
+        # much later than booked its paths end, at a high quantile): the tables are then full
+        # only that far ahead, and the overruns that cascade through back-to-back bookings end
+        # in the room instead of past the deadlines
+        shift = F[off(A, X_M_ROOM) + m] if pard and F[o_hbf + m] > now else 0.0
+        dh = _oldest(A, F, dq, m, hq)[1] - shift
         best_p = -1
         best_w = INF
         best_f = INF
@@ -698,11 +714,11 @@ def _ppipe_queue(A, F, m, now):
         if best_f <= dh:
             chosen = B
         elif pard and (n > B or F[o_hbf + m] > now):
-            status = _drop_before(A, F, m, best_f, DROP_EARLY)
+            status = _drop_before(A, F, m, best_f + shift, DROP_EARLY)
             if status != OK:
                 return status
             # (set once the drops are out, so that a call repeated after FULL_OUT probes alike)
-            F[o_hbf + m] = now + F[off(A, X_M_HOLD) + m]
+            _pressure(A, F, m, now)
             continue
         elif not early:
             cur = 1 - bbuf
@@ -734,10 +750,10 @@ def _ppipe_queue(A, F, m, now):
                     break
         # 3a. no batch size fits: drop every request that no probed size serves in time
         if chosen == 0:
-            status = _drop_before(A, F, m, fmin, DROP_EARLY if early else DROP_DEADLINE)
+            status = _drop_before(A, F, m, fmin + shift, DROP_EARLY if early else DROP_DEADLINE)
             if status != OK:
                 return status
-            F[o_hbf + m] = now + F[off(A, X_M_HOLD) + m]  # under pressure for a while
+            _pressure(A, F, m, now)
             continue
         take = chosen
         buf = cbuf
@@ -1083,6 +1099,30 @@ def _learn_margin(A, F, v, prof, took):
     _quantile_step(F, off(A, X_V_MARGIN_HI) + v, x, F[F_MARGIN_QHI], step, hi)
 
 
+@njit(none(I1, F1, i8, i8, f8), cache=True)
+def _learn_room(A, F, v, h, b):
+    """If use ``h`` of vGPU ``v`` was the last hop of its path, move the model's room towards the
+    ``F_MARGIN_QHI`` quantile of how much later than booked the path ended (``b``), within
+    [0, ``F_PRESSURE_ROOM`` x SLO].
+
+    Why learned and not fixed: the margins cover each hop's own noise, but under overload every
+    table is booked back to back up to the deadlines, and an overrun pushes the bookings behind
+    it; how far depends on the plan and the load. A fixed room costs goodput in short bursts,
+    where little cascades; this one grows only as far as paths really end late."""
+    j = v * RK + (h >> HANDLE_SHIFT) % RK
+    fin = F[off(A, X_V_RFIN) + j]
+    if fin == -INF:
+        return
+    F[off(A, X_V_RFIN) + j] = -INF  # learned once per path
+    m = A[off(A, X_PIPE_MODEL) + A[off(A, X_POOL_PIPE) + A[off(A, X_V_POOL) + v]]]
+    slo = F[off(A, X_M_HOLD) + m]
+    o = off(A, X_M_ROOM) + m
+    q = F[F_MARGIN_QHI]
+    x = F[o]
+    x += ROOM_STEP * slo * (q if b - fin > x else q - 1.0)
+    F[o] = min(max(x, 0.0), F[F_PRESSURE_ROOM] * slo)
+
+
 @njit(i8(I1, F1, i8, f8, f8), cache=True)
 def _report_one(A, F, h, a, b):
     r = h & HANDLE_MASK
@@ -1113,6 +1153,8 @@ def _report_one(A, F, h, a, b):
         return FULL_TABLE  # nothing changed, the margin included: the call is repeated
     if learn:
         _learn_margin(A, F, r, prof, b - a)
+        if prof > 0.0:
+            _learn_room(A, F, r, h, b)
     return OK
 
 

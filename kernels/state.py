@@ -90,6 +90,7 @@ F_MARGIN_STEP = 55  # learning rate of that quantile (0: margins stay as set)
 F_MARGIN_MAX = 56  # cap on a vGPU's margin
 F_MARGIN_PRIOR = 58  # high-quantile margin assumed for a vGPU that has reported fewer than MARGIN_WARM uses
 F_CLASS_ROOM = 59  # share of a model's SLO its low class leaves to the high class while both are active
+F_PRESSURE_ROOM = 60  # PARD: most of the SLO kept free of bookings while the model is under pressure
 SEC_TABLE = 64
 
 POLICY_PPIPE = 0
@@ -206,6 +207,8 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("m_gap", "f", ("M",)),
     ("v_nrep", "i", ("V",)),
     ("m_hi_until", "f", ("M",)),
+    ("v_rfin", "f", ("V", "RK")),
+    ("m_room", "f", ("M",)),
 )
 # section indices, in SECTIONS order (tests check they agree)
 X_V_SERVER = 0
@@ -294,6 +297,9 @@ X_M_GAP = 82  # per model: mean gap between arrivals (EWMA from the planned rate
 X_V_NREP = 83  # per vGPU: inference reports learned from (its margins are a prior until WARM)
 X_M_HI_UNTIL = 84  # per model: the high class counts as active until then
 CLASS_HOLD_SLOS = 20.0  # the high class stays active this many SLOs after its last arrival
+X_V_RFIN = 85  # per vGPU ring (as V_RH): the booked end of the path if that use was its last hop, else -inf
+X_M_ROOM = 86  # per model: the learned room, a high quantile of how much later than booked paths end
+ROOM_STEP = 0.01  # learning step of the room, as a share of the SLO
 RK = 16
 MARGIN_WARM = 32
 

@@ -387,6 +387,46 @@ def test_high_class_is_served_first_and_the_low_class_absorbs_the_drops(policy):
     assert s.pending() == 0
 
 
+@pytest.mark.parametrize("policy", ["ppipe", "pard"])
+def test_pard_keeps_a_room_free_of_bookings_under_pressure(policy):
+    """After a drop (pressure), PARD books against the deadline less the model's room (0.1 SLO
+    to start with): a request that fits only inside the room is dropped at once, where ppipe
+    books it to end within 70 µs of its deadline."""
+    plan, profs = _one_pool_case(nv=1, bs=1, slo=1000.0)
+    s = Scheduler(plan, profs, policy, margin_step=0.0, margin_prior=1.0)
+    for i in range(3):
+        s.submit(i, 0, 0.0, 150.0 + i)
+    a = s.decide(0.0)
+    assert [d.request_ids for d in a.dispatches()] == [(0,)] and len(a.drops()) == 2
+    s.submit(3, 0, 10.0, 270.0)
+    a = s.decide(10.0)
+    if policy == "pard":
+        assert a.drops() == [(3, "early-drop")] and a.n_dispatch == 0
+    else:
+        (d,) = a.dispatches()
+        assert d.request_ids == (3,) and d.finish_us == pytest.approx(200.0)
+
+
+def test_the_room_learns_how_late_paths_end():
+    plan, profs = _one_pool_case(nv=1, bs=1, slo=1000.0, parts=2)
+    s = Scheduler(plan, profs, "pard")
+    room = s._arena.view("m_room")
+    assert room[0] == pytest.approx(100.0)  # half the most (0.2 SLO) to start with
+    for i, late in enumerate([300.0, 300.0, 0.0]):
+        t = 1000.0 * i
+        s.submit(i, 0, t, t + 900.0)
+        (d,) = s.decide(t).dispatches()
+        before = room[0]
+        first, last = sorted((r for r in d.reservations if r.kind == "infer"), key=lambda r: r.hop)
+        s.report(first.handle, first.start_us, first.end_us)  # not a last hop: no change
+        assert room[0] == before
+        s.report(last.handle, last.start_us, last.end_us + late)
+        if late:  # ended later than booked by more than the room: up by 1 % of the SLO x 0.99
+            assert room[0] == pytest.approx(before + 9.9)
+        else:
+            assert room[0] == pytest.approx(before - 0.1)
+
+
 def test_reactive_ignores_the_priority_class():
     plan, profs = _one_pool_case(nv=1, bs=1, slo=10_000)
     s = Scheduler(plan, profs, "reactive")

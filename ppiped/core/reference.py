@@ -103,7 +103,7 @@ class RefScheduler:
                  wait_guard_us: float = 0.0, early_drop: bool = False, margin_quantile: float = 0.9,
                  margin_quantile_hi: float = 0.99, margin_step: float = 0.02, margin_max: float = 4.0,
                  work_conserving: bool = True, pard: bool = False, margin_prior: float = 1.25,
-                 class_room: float = 0.25):
+                 class_room: float = 0.25, pressure_room: float = 0.2):
         self.L = layout
         self.policy = policy
         self.min_wait = min_wait_us
@@ -115,8 +115,9 @@ class RefScheduler:
         self.mqs = (margin_quantile, margin_quantile_hi)
         self.nrep = [0] * layout.num_vgpus  # reports learned from; below 32 the prior stands in
         self.prior = margin_prior
-        # per vGPU, (handle, reserved length) of its last 16 inference reservations by sequence
-        self.recent = [[(-1, 0.0)] * 16 for _ in range(layout.num_vgpus)]
+        # per vGPU, (handle, profiled length, booked path end if it was the last hop) of its
+        # last 16 inference reservations by sequence
+        self.recent = [[(-1, 0.0, -INF)] * 16 for _ in range(layout.num_vgpus)]
         self.mstep, self.mmax = margin_step, margin_max
         self.pull = work_conserving
         self.pard = pard
@@ -125,6 +126,9 @@ class RefScheduler:
         self.hbf_until = [-INF] * len(layout.models)  # under pressure until (HBF too with pard)
         self.hi_until = [-INF] * len(layout.models)  # the high class is active until
         self.room = class_room
+        self.proom_max = pressure_room
+        # per model, the learned room kept free of bookings under pressure (µs)
+        self.proom = [0.5 * pressure_room * float(x) for x in layout.slo_us]
         M, P = len(layout.models), layout.num_pools
         self.queues: list[list[RefRequest]] = [[] for _ in range(M + P)]
         self.alive = [True] * layout.num_vgpus
@@ -240,7 +244,8 @@ class RefScheduler:
         while q:
             n = len(q)
             best = None
-            dh = q[0].deadline
+            shift = self.proom[m] if self.pard and self.hbf_until[m] > now else 0.0
+            dh = q[0].deadline - shift
             for p in L.pipelines_of(m):
                 f, w, hops = self.probe(p, int(L.pipe_bs[p]), now)
                 # least waiting among the pipelines that meet the oldest deadline, if any does
@@ -252,7 +257,6 @@ class RefScheduler:
                 return INF
             f_b, _, hops_b, p = best
             B = int(L.pipe_bs[p])
-            dh = q[0].deadline
             chosen, fin, hops, fmin = 0, f_b, hops_b, f_b
             if f_b <= dh:
                 chosen = B
@@ -260,7 +264,7 @@ class RefScheduler:
                 # PARD: overloaded; keep the batch full, drop what it cannot serve in time and
                 # take from the high-budget end for the model's SLO
                 self.hbf_until[m] = now + float(L.slo_us[m])
-                while q and q[0].deadline < f_b:
+                while q and q[0].deadline < f_b + shift:
                     drops.append((q.pop(0).rid, "early-drop"))
                 continue
             elif not self.early:
@@ -286,7 +290,7 @@ class RefScheduler:
                         break
             if chosen == 0:
                 self.hbf_until[m] = now + float(L.slo_us[m])
-                while q and q[0].deadline < fmin:
+                while q and q[0].deadline < fmin + shift:
                     drops.append((q.pop(0).rid, "early-drop" if self.early else "deadline"))
                 continue
             take = chosen
@@ -312,7 +316,7 @@ class RefScheduler:
                         d.reservations.append((r, kind, tx, tx + T))
                 h = self._handle(v)
                 self.T.insert(v, s, s + lat, h)
-                self.recent[v][(h >> 20) % 16] = (h, prof)
+                self.recent[v][(h >> 20) % 16] = (h, prof, s + lat if v == hops[-1][0] else -INF)
                 d.reservations.append((v, 0, s, s + lat))
                 prev_s = sv
             hbf = self.pard and self.hbf_until[m] > now
@@ -375,7 +379,7 @@ class RefScheduler:
             horizon = INF if r < V and not self.alive[r] else self.last_now
             self.T.correct(r, h, a, b, horizon, self.pull and r < V)
             if r < V and self.alive[r] and b > a and self.mstep > 0:
-                self._learn(r, h, b - a)
+                self._learn(r, h, b - a, b)
             return
         if r not in self.busy or self.busy[r][0] != h:
             return
@@ -394,9 +398,9 @@ class RefScheduler:
     def _hi(self, v: int) -> float:
         return self.margin[v][1] if self.nrep[v] >= 32 else max(self.margin[v][1], self.prior)
 
-    def _learn(self, v: int, h: int, took: float) -> None:
+    def _learn(self, v: int, h: int, took: float, end: float) -> None:
         """The margin: a step towards the quantile of measured / profiled latency."""
-        hh, prof = self.recent[v][(h >> 20) % 16]
+        hh, prof, fin = self.recent[v][(h >> 20) % 16]
         if hh == h and prof > 0:
             x = took / prof
             self.nrep[v] += 1
@@ -404,6 +408,12 @@ class RefScheduler:
                 m = self.margin[v][i]
                 m *= math.exp(self.mstep * q) if x > m * (1 + 1e-9) else math.exp(-self.mstep * (1 - q))
                 self.margin[v][i] = min(max(m, 1.0), self.mmax)
+            if fin > -INF:  # the last hop of its path: the room learns how late paths end
+                self.recent[v][(h >> 20) % 16] = (hh, prof, -INF)
+                mi = int(self.L.v_model[v])
+                slo, r, q = float(self.L.slo_us[mi]), self.proom[mi], self.mqs[1]
+                r += 0.01 * slo * (q if end - fin > r else q - 1.0)
+                self.proom[mi] = min(max(r, 0.0), self.proom_max * slo)
 
     def set_alive(self, v: int, alive: bool) -> None:
         if self.alive[v] == alive:

@@ -61,6 +61,7 @@ class SimOptions:
     margin_quantile: float = 0.9
     margin_step: float = 0.02
     class_room: float = 0.25  # share of the SLO the low class leaves to the high class
+    pressure_room: float = 0.2  # PARD: most of the SLO left unbooked under pressure (learned below it)
 
 
 class Simulation:
@@ -76,6 +77,7 @@ class Simulation:
         self.sched = Scheduler(plan, profiles, policy, layout, min_wait_us=opt.min_wait_us,
                                wait_guard_us=opt.wait_guard_us, margin_quantile=opt.margin_quantile,
                                margin_step=opt.margin_step, class_room=opt.class_room,
+                               pressure_room=opt.pressure_room,
                                work_conserving=math.isinf(opt.start_early_us))
         lay = self.layout = self.sched.layout
         M = len(lay.models)
