@@ -92,6 +92,7 @@ from .state import (
     X_M_HI_UNTIL,
     X_M_HOLD,
     X_M_LAST,
+    X_M_PGAP,
     X_M_ROOM,
     X_MODEL_PIPE0,
     X_OD_BS,
@@ -182,6 +183,11 @@ from .tables import (
 )
 
 INF = np.inf
+# A batch held for more requests leaves this many times the gap between its vGPUs' high and low
+# margins: the 0.99 quantile alone left ~1 % of held batches late at light load, where every
+# batch is held to its last moment; twice the gap reaches about the 0.999 quantile of lognormal
+# noise
+WAIT_TAIL = 2.0
 
 
 # --- probe and reserve (ppipe) -----------------------------------------------------------
@@ -640,8 +646,9 @@ def _ppipe_queue(A, F, m, now):
     """PPipe Algorithm 1 for model ``m``'s queue, until it is empty or waiting.
 
     With PARD (``H_PARD``): when a full batch served now would end after the oldest deadline
-    and the queue holds more requests than it takes (or the model was overloaded within its hold
-    time), the batch stays full and every request that even it cannot serve in time is dropped
+    and the queue holds more requests than it takes (or as many, while the model was overloaded
+    within its hold time: a queue too short for a full batch shrinks it as PPipe does), the batch
+    stays full and every request that even it cannot serve in time is dropped
     now (proactively, on the whole path's estimate: the probe) instead of shrinking the batch,
     which would cut throughput exactly when it is short; for the hold time after such a drop,
     batches take the requests with the most budget left (high-budget-first), so that what is
@@ -711,16 +718,16 @@ def _ppipe_queue(A, F, m, now):
         cbuf = bbuf
         cfin = best_f
         fmin = best_f
+        # PARD keeps batches full (drops what a full batch cannot serve instead of shrinking
+        # it) when the queue holds more than a batch, or under pressure when it holds a batch
+        # or arrivals come faster than planned: then a smaller batch would cut throughput
+        # exactly when it is short; a short queue at light load shrinks the batch as PPipe does
+        pressed = F[o_hbf + m] > now
+        keep_full = pard and (n > B or (pressed and (
+            n == B or F[off(A, X_M_GAP) + m] < F[off(A, X_M_PGAP) + m])))
         if best_f <= dh:
             chosen = B
-        elif pard and (n > B or F[o_hbf + m] > now):
-            status = _drop_before(A, F, m, best_f + shift, DROP_EARLY)
-            if status != OK:
-                return status
-            # (set once the drops are out, so that a call repeated after FULL_OUT probes alike)
-            _pressure(A, F, m, now)
-            continue
-        elif not early:
+        elif not early and not keep_full:
             cur = 1 - bbuf
             for b in range(B - 1, 0, -1):
                 f, w = probe(A, F, best_p, b, now, cur)
@@ -731,8 +738,9 @@ def _ppipe_queue(A, F, m, now):
                     cfin = f
                     break
         # 3a'. no size of that pipeline fits: another pipeline may still serve the oldest
-        # request with the requests at hand (not under Nexus-style early drop, which never shrinks)
-        if chosen == 0 and not early:
+        # request with the requests at hand (not under Nexus-style early drop, which never
+        # shrinks, nor under PARD's full batches under pressure; a short queue at light load yes)
+        if chosen == 0 and not early and not (keep_full and pressed):
             cur = 1 - bbuf
             for p in range(A[o_mp + m], A[o_mp + m + 1]):
                 if p == best_p:
@@ -748,6 +756,13 @@ def _ppipe_queue(A, F, m, now):
                     cbuf = cur
                     cfin = f
                     break
+        if chosen == 0 and keep_full:
+            status = _drop_before(A, F, m, best_f + shift, DROP_EARLY)
+            if status != OK:
+                return status
+            # (set once the drops are out, so that a call repeated after FULL_OUT probes alike)
+            _pressure(A, F, m, now)
+            continue
         # 3a. no batch size fits: drop every request that no probed size serves in time
         if chosen == 0:
             status = _drop_before(A, F, m, fmin + shift, DROP_EARLY if early else DROP_DEADLINE)
@@ -766,7 +781,7 @@ def _ppipe_queue(A, F, m, now):
             take = n
             fn, w = probe(A, F, best_p, n, now, 1 - cbuf)
             if fn <= dh:
-                slack = dh - fn - _hi_allowance(A, F, best_p, 1 - cbuf, now) - guard
+                slack = dh - fn - WAIT_TAIL * _hi_allowance(A, F, best_p, 1 - cbuf, now) - guard
                 if slack >= min_wait and slack >= F[off(A, X_M_GAP) + m]:
                     F[o_qw + m] = now + slack
                     return OK

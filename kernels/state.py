@@ -209,6 +209,7 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("m_hi_until", "f", ("M",)),
     ("v_rfin", "f", ("V", "RK")),
     ("m_room", "f", ("M",)),
+    ("m_pgap", "f", ("M",)),
 )
 # section indices, in SECTIONS order (tests check they agree)
 X_V_SERVER = 0
@@ -299,6 +300,7 @@ X_M_HI_UNTIL = 84  # per model: the high class counts as active until then
 CLASS_HOLD_SLOS = 20.0  # the high class stays active this many SLOs after its last arrival
 X_V_RFIN = 85  # per vGPU ring (as V_RH): the booked end of the path if that use was its last hop, else -inf
 X_M_ROOM = 86  # per model: the learned room, a high quantile of how much later than booked paths end
+X_M_PGAP = 87  # per model: the arrival gap at its planned rate
 ROOM_STEP = 0.01  # learning step of the room, as a share of the SLO
 RK = 16
 MARGIN_WARM = 32

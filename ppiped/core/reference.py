@@ -123,6 +123,7 @@ class RefScheduler:
         self.pard = pard
         self.last = [-INF] * len(layout.models)  # latest arrival per model
         self.gap = [float(g) for g in layout.planned_gap_us()]  # mean arrival gap per model (EWMA)
+        self.pgap = list(self.gap)  # at the planned rate
         self.hbf_until = [-INF] * len(layout.models)  # under pressure until (HBF too with pard)
         self.hi_until = [-INF] * len(layout.models)  # the high class is active until
         self.room = class_room
@@ -258,23 +259,18 @@ class RefScheduler:
             f_b, _, hops_b, p = best
             B = int(L.pipe_bs[p])
             chosen, fin, hops, fmin = 0, f_b, hops_b, f_b
+            pressed = self.hbf_until[m] > now
+            keep_full = self.pard and (n > B or (pressed and (n == B or self.gap[m] < self.pgap[m])))
             if f_b <= dh:
                 chosen = B
-            elif self.pard and (n > B or self.hbf_until[m] > now):
-                # PARD: overloaded; keep the batch full, drop what it cannot serve in time and
-                # take from the high-budget end for the model's SLO
-                self.hbf_until[m] = now + float(L.slo_us[m])
-                while q and q[0].deadline < f_b + shift:
-                    drops.append((q.pop(0).rid, "early-drop"))
-                continue
-            elif not self.early:
+            elif not self.early and not keep_full:
                 for b in range(B - 1, 0, -1):
                     f, _, h = self.probe(p, b, now)
                     fmin = min(fmin, f)
                     if f <= dh:
                         chosen, fin, hops = b, f, h
                         break
-            if chosen == 0 and not self.early:
+            if chosen == 0 and not self.early and not (keep_full and pressed):
                 # another pipeline may still serve the oldest with the requests at hand
                 for p2 in L.pipelines_of(m):
                     if p2 == p:
@@ -288,6 +284,13 @@ class RefScheduler:
                     if chosen:
                         p = p2
                         break
+            if chosen == 0 and keep_full:
+                # PARD: overloaded; keep the batch full, drop what it cannot serve in time and
+                # take from the high-budget end for the model's SLO
+                self.hbf_until[m] = now + float(L.slo_us[m])
+                while q and q[0].deadline < f_b + shift:
+                    drops.append((q.pop(0).rid, "early-drop"))
+                continue
             if chosen == 0:
                 self.hbf_until[m] = now + float(L.slo_us[m])
                 while q and q[0].deadline < fmin + shift:
@@ -302,7 +305,7 @@ class RefScheduler:
                     # high-quantile margins would take
                     extra = 0.0 if self.hbf_until[m] > now else sum(
                         (self._hi(h[0]) - self.margin[h[0]][0]) * h[5] for h in hn)
-                    slack = dh - fn - extra - self.guard
+                    slack = dh - fn - 2.0 * extra - self.guard
                     if slack >= self.min_wait and slack >= self.gap[m]:
                         return now + slack
                     fin, hops = fn, hn

@@ -224,6 +224,7 @@ class Scheduler:
         a.view("v_margin_hi")[:] = 1.0
         a.view("m_last")[:] = -np.inf
         a.view("m_gap")[:] = lay.planned_gap_us()
+        a.view("m_pgap")[:] = lay.planned_gap_us()
         a.view("v_rh")[:] = -1
         a.view("q_hbf")[:] = -np.inf
         a.view("v_rfin")[:] = -np.inf
