@@ -322,9 +322,10 @@ def test_too_few_requests_wait_until_the_last_moment():
     s.submit(1, 0, 0.0, 1000.0)
     a = s.decide(0.0)
     assert a.n_dispatch == 0 and a.n_drop == 0
-    # bs 1 takes 100 µs on both blocks: latest dispatch at 1000 - 100, less the room for noise
-    # (the high-quantile margin's prior, 1.25, until the vGPU has reported enough uses)
-    assert a.wake_at == pytest.approx(1000.0 - 1.25 * 100.0)
+    # bs 1 takes 100 µs on both blocks: latest dispatch at 1000 - 100, less the room for noise:
+    # twice the gap between the high-quantile margin (its prior, 1.25, until the vGPU has
+    # reported enough uses) and the low one (1.0)
+    assert a.wake_at == pytest.approx(1000.0 - 100.0 - 2 * 0.25 * 100.0)
     s.submit(2, 0, 10.0, 2000.0)
     a = s.decide(10.0)  # batch full: dispatch now at the planned size
     (d,) = a.dispatches()
