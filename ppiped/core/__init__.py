@@ -30,11 +30,14 @@ The scheduler
 -------------
 ``Scheduler(plan, profiles, policy="ppipe", layout=None, *, min_wait_us=1.0, wait_guard_us=0.0,
 margin_quantile=0.9, margin_quantile_hi=0.99, margin_step=0.02, margin_max=4.0, margin_prior=1.25,
-work_conserving=True)``
+class_room=0.25, pressure_room=0.2, work_conserving=True)``
 
 - ``submit(req_id, model, arrival_us, deadline_us=None, priority=0)``: queue a request (deadline
-  defaults to arrival + the model's SLO from the plan). ``priority`` is stored for policies to
-  come; ppipe and reactive ignore it. ``cancel(req_id, model)`` withdraws a pending one.
+  defaults to arrival + the model's SLO from the plan). ``priority`` > 0 is the high class
+  (Accordion): the reserving policies keep it in a second queue per model and batch it first;
+  while it is active (an arrival within 20 SLOs) low requests are scheduled against their
+  deadline less ``class_room`` x SLO, so that booking on arrival leaves the tables room for the
+  high class; reactive ignores it. ``cancel(req_id, model)`` withdraws a pending one.
   ``submit_many(first_id, count, model, arrival_us, deadline_us=None, priority=0)`` queues ids
   ``first_id ..`` that share all else (one client message) in one compiled call.
 - ``decide(now_us) -> Actions``: the batching decision for every model queue that changed since
@@ -84,6 +87,7 @@ Policies (``POLICIES``; a :class:`Policy` is knobs of the one algorithm, not a c
   starts from the planned rate) is longer than that wait, and the wait leaves the path the room
   its high-quantile margins would take. Pipelines that meet the earliest deadline come first,
   and before dropping, the model's other pipelines are tried at the sizes the queue can fill.
+  A held batch leaves twice the gap between its path's high and low margins.
   Otherwise reserve the path and dispatch the b earliest deadlines; repeat.
   ``probe``: per pool, each live vGPU's input transfer (joint uplink + downlink slot, only when
   the previous vGPU is on another server) then its inference slot, both the earliest that fits
@@ -101,11 +105,15 @@ Policies (``POLICIES``; a :class:`Policy` is knobs of the one algorithm, not a c
   claim is reported; nothing is reserved and it never waits for a fuller batch.
 - ``ppipe-early-drop`` (Nexus-style hook): as ppipe but the batch size stays at the planned one;
   requests it cannot serve in time are dropped instead of shrinking the batch.
-- ``pard`` (PARD): as ppipe, but when the queue holds more than one batch (or the model dropped
-  within its SLO) and a full batch served now ends after the earliest deadline, the batch stays
-  full and every request it cannot serve in time is dropped now (``early-drop``) on the probe's
+- ``pard`` (PARD): as ppipe, but when a full batch served now ends after the earliest deadline
+  and the queue holds more than one batch (or, while the model is under pressure, i.e. dropped
+  within its SLO: one batch, or fewer with arrivals faster than planned), the batch stays full
+  and every request it cannot serve in time is dropped now (``early-drop``) on the probe's
   whole-path estimate; for one SLO after such a drop, batches take the latest deadlines first
-  (high-budget-first, the DEPQ's max end), then earliest-deadline order returns.
+  (high-budget-first, the DEPQ's max end), then earliest-deadline order returns. Under pressure
+  it books against the deadline less the model's *room*: the ``margin_quantile_hi`` quantile of
+  how much later than booked its paths' last hops end, learned from reports within
+  [0, ``pressure_room`` x SLO] (starting at half of it).
 
 Speed: a decision is one compiled call; its Python wrapper returns preallocated arrays. The
 simulator may call the ``ppiped.kernels.sched`` entry points directly from compiled code
