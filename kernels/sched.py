@@ -680,6 +680,9 @@ def _ppipe_queue(A, F, m, now):
         # only that far ahead, and the overruns that cascade through back-to-back bookings end
         # in the room instead of past the deadlines
         shift = F[off(A, X_M_ROOM) + m] if pard and F[o_hbf + m] > now else 0.0
+        if shift > 0.0 and F[off(A, X_M_HI_UNTIL) + m] > now:
+            # the low class already leaves its class room; the two rooms do not add up
+            shift = max(shift - F[F_CLASS_ROOM] * F[off(A, X_M_HOLD) + m], 0.0)
         dh = _oldest(A, F, dq, m, hq)[1] - shift
         best_p = -1
         best_w = INF

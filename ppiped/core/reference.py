@@ -246,6 +246,8 @@ class RefScheduler:
             n = len(q)
             best = None
             shift = self.proom[m] if self.pard and self.hbf_until[m] > now else 0.0
+            if shift > 0 and self.hi_until[m] > now:
+                shift = max(shift - self.room * float(self.L.slo_us[m]), 0.0)
             dh = q[0].deadline - shift
             for p in L.pipelines_of(m):
                 f, w, hops = self.probe(p, int(L.pipe_bs[p]), now)
