@@ -672,9 +672,6 @@ def _ppipe_queue(A, F, m, now):
         if n == 0:
             F[o_qw + m] = INF
             return OK
-        # 1. the pipeline with the least waiting at its planned batch size, among those that
-        # meet the oldest deadline if any does (a batch that waited for the last moment of one
-        # pipeline must not then move to a slower one that misses it)
         # under pressure, PARD books against the deadline less the model's learned room (how
         # much later than booked its paths end, at a high quantile): the tables are then full
         # only that far ahead, and the overruns that cascade through back-to-back bookings end
@@ -684,6 +681,9 @@ def _ppipe_queue(A, F, m, now):
             # the low class already leaves its class room; the two rooms do not add up
             shift = max(shift - F[F_CLASS_ROOM] * F[off(A, X_M_HOLD) + m], 0.0)
         dh = _oldest(A, F, dq, m, hq)[1] - shift
+        # 1. the pipeline with the least waiting at its planned batch size, among those that
+        # meet the oldest deadline if any does (a batch that waited for the last moment of one
+        # pipeline must not then move to a slower one that misses it)
         best_p = -1
         best_w = INF
         best_f = INF
