@@ -12,6 +12,9 @@ One JSON line per case, then a summary line; exit 1 when a case misses its targe
   by at most 64 MB, legit attainment stays >= 99 %.
 - ``daemon-restart``: ``kill -9`` of the scheduler and a restart while requests are pending;
   target: every pending request ends with an explicit reason, none silently.
+- ``flood``: one client (a raw socket in a process of its own) sends ``--flood`` single-request
+  SUBMITs as fast as it can while ``--legit-clients`` loadgen processes share the legit rate;
+  target: every legit client keeps >= 99 % attainment, every request (the flood's too) is answered.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from ppiped.daemon.config import load_config
 from ppiped.daemon.launch import LocalCluster, short_tmpdir, write_config
 from ppiped.executor import tiny
 
-CASES = ("forged-results", "tcp-ctl-stop", "oversize-payloads", "daemon-restart")
+CASES = ("forged-results", "tcp-ctl-stop", "oversize-payloads", "daemon-restart", "flood")
 
 
 def emit(**kw) -> dict:
@@ -67,17 +70,19 @@ class _Load:
     """Legit load from a process of its own (``ppiped loadgen``), so the attack's threads in
     this process never slow the client that measures attainment."""
 
-    def __init__(self, c: LocalCluster, rate: float, seconds: float) -> None:
+    def __init__(self, c: LocalCluster, rate: float, seconds: float, seed: int = 0) -> None:
         self.p = subprocess.Popen([sys.executable, "-m", "ppiped.cli", "loadgen", "--endpoint", c.client_endpoint,
                                    "--rate", f"tiny={rate}", "--duration", str(seconds), "--frame-bytes", "64",
-                                   "--check-echo", "--json"],
+                                   "--check-echo", "--json", "--seed", str(seed)],
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.seconds = seconds
 
     def result(self) -> dict:
         out, _ = self.p.communicate(timeout=self.seconds + 60)
         try:
-            return json.loads(out.strip().splitlines()[-1])["total"]
+            r = json.loads(out.strip().splitlines()[-1])
+            m = r["models"][0]
+            return {**r["total"], "drop_reasons": m["drop_reasons"], "reject_reasons": m["reject_reasons"]}
         except (IndexError, json.JSONDecodeError, KeyError):
             return {"attainment": 0.0, "no_reply": -1, "bad_echo": -1}
 
@@ -186,8 +191,76 @@ def daemon_restart(args) -> dict:
         return emit(case="daemon-restart", **r, silent=r["pending"] - answered, ok=answered == r["pending"])
 
 
+def flood_child(endpoint: str, n: int, slo_ms: float, timeout_s: float) -> dict:
+    """The flooder: ``n`` one-request SUBMITs pushed as fast as the socket takes them (no pacing,
+    no sent_us: an attacker's client), then every reply collected; one JSON line of outcomes."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.setsockopt(zmq.RCVHWM, 0)
+    s.connect(endpoint)
+    frame = b"f" * 64
+    sent_at = [0.0] * n
+    outcome: dict[str, int] = {}
+    in_slo = got = 0
+
+    def take(m: list) -> None:
+        nonlocal in_slo, got
+        h = wire.decode(m[0])
+        key = "ok" if h[3] == wire.Status.OK else f"{wire.Status(h[3]).name.lower()}:{h[4]}"
+        outcome[key] = outcome.get(key, 0) + len(h[2])
+        got += len(h[2])
+        if h[3] == wire.Status.OK:
+            t = time.monotonic()
+            in_slo += sum(1 for i in h[2] if t - sent_at[i] <= slo_ms / 1000)
+
+    t0 = time.monotonic()
+    for i in range(n):
+        sent_at[i] = time.monotonic()
+        s.send_multipart([wire.submit("tiny", 0, [i]), frame])
+        if i & 255 == 0:
+            while s.poll(0):
+                take(s.recv_multipart())
+    send_s = time.monotonic() - t0
+    end = time.monotonic() + timeout_s
+    while got < n and time.monotonic() < end:
+        if s.poll(100):
+            take(s.recv_multipart())
+    ctx.destroy(0)
+    return {"sent": n, "send_s": round(send_s, 2), "answered": got, "no_reply": n - got,
+            "ok_in_slo": in_slo, "outcomes": outcome, "answered_within_s": round(time.monotonic() - t0, 2)}
+
+
+def flood(args) -> dict:
+    with short_tmpdir("ppiped-faults-") as d, _cluster(Path(d)) as c:
+        k = args.legit_clients
+        loads = [_Load(c, args.rate / k, args.seconds, seed=i) for i in range(k)]
+        time.sleep(0.5)  # the load is running
+        f = subprocess.Popen([sys.executable, __file__, "--flood-child", c.client_endpoint, str(args.flood)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        legit = [x.result() for x in loads]
+        out, _ = f.communicate(timeout=120)
+        try:
+            fl = json.loads(out.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            fl = {"no_reply": -1}
+        st = c.status()
+        atts = [x.get("attainment", 0.0) for x in legit]
+        return emit(case="flood", legit_attainment=atts, legit_min=min(atts),
+                    legit_no_reply=sum(x.get("no_reply", 1) for x in legit),
+                    legit_outcomes=[{"sent": x.get("sent"), "drop": x.get("drop_reasons"),
+                                     "reject": x.get("reject_reasons"), "p50_ms": x.get("p50_ms"),
+                                     "p99_ms": x.get("p99_ms")} for x in legit],
+                    flooder=fl, daemon_queued=st["queued"], daemon_in_flight=st["models"]["tiny"]["in_flight"],
+                    daemon_counters={k: v for k, v in st["counters"].items()
+                                                 if k.startswith(("shed", "overloaded", "late"))},
+                    ok=min(atts) >= 0.99 and fl.get("no_reply", 1) == 0
+                    and all(x.get("no_reply", 1) == 0 for x in legit))
+
+
 RUN = {"forged-results": forged_results, "tcp-ctl-stop": tcp_ctl_stop,
-       "oversize-payloads": oversize_payloads, "daemon-restart": daemon_restart}
+       "oversize-payloads": oversize_payloads, "daemon-restart": daemon_restart, "flood": flood}
 
 
 def main() -> int:
@@ -195,7 +268,13 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=2000.0, help="legit requests/s alongside")
     ap.add_argument("--seconds", type=float, default=5.0, help="attack duration")
     ap.add_argument("--only", help=f"comma-separated cases ({', '.join(CASES)})")
+    ap.add_argument("--flood", type=int, default=100_000, help="flood: SUBMITs the flooder sends")
+    ap.add_argument("--legit-clients", type=int, default=2, help="flood: loadgen processes sharing --rate")
+    ap.add_argument("--flood-child", nargs=2, metavar=("ENDPOINT", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.flood_child:
+        emit(**flood_child(args.flood_child[0], int(args.flood_child[1]), 60.0, 60.0))
+        return 0
     cases = args.only.split(",") if args.only else list(CASES)
     bad = [k for k in cases if k not in RUN]
     if bad:

@@ -107,18 +107,19 @@ def test_planner_bench_case_selection(monkeypatch):
 
 
 def test_faults_bench_short_run():
-    out = subprocess.run([sys.executable, str(BENCH / "faults.py"), "--seconds", "1", "--rate", "500"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, str(BENCH / "faults.py"), "--seconds", "1", "--rate", "500",
+                          "--flood", "5000"], capture_output=True, text=True, timeout=600)
     recs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     rows = {r["case"]: r for r in recs if "case" in r}
-    assert set(rows) == {"forged-results", "tcp-ctl-stop", "oversize-payloads", "daemon-restart"}
+    assert set(rows) == {"forged-results", "tcp-ctl-stop", "oversize-payloads", "daemon-restart", "flood"}
     assert rows["forged-results"]["forged_accepted"] == 0 and rows["forged-results"]["forged_sent"] > 0
     assert rows["tcp-ctl-stop"]["daemon_alive"]
     assert rows["oversize-payloads"]["growth_mb"] <= 64
     assert rows["daemon-restart"]["silent"] == 0 and rows["daemon-restart"]["pending"] == 100
+    assert rows["flood"]["flooder"]["sent"] == 5000 and rows["flood"]["flooder"]["no_reply"] == 0
     (summary,) = [r for r in recs if r.get("summary")]
     # attainment targets depend on the host's load: the exit status only has to agree with them
-    assert summary["cases"] == 4 and out.returncode == (1 if summary["missed"] else 0)
+    assert summary["cases"] == 5 and out.returncode == (1 if summary["missed"] else 0)
 
 
 def test_overload_bench_short_run():
