@@ -218,3 +218,87 @@ def test_broken_partition_file_exits_2_naming_it(sched, tmp_path):
     assert rc == 2, err
     line = next(x for x in err.splitlines() if x.startswith("ppiped-executor: error: cannot load"))
     assert "vGPU 1 (tiny pipeline 0 partition 1, blocks [1,2))" in line, line
+
+
+def _matmul_chain(layers, n=256, rows=64):
+    """A partition whose single run takes long: ``layers`` MatMuls by one shared n x n weight,
+    input [batch, rows, n] (float32)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = (np.random.default_rng(0).standard_normal((n, n)) / np.sqrt(n)).astype(np.float32)
+    nodes, prev = [], "x"
+    for i in range(layers):
+        nodes.append(helper.make_node("MatMul", [prev, "w"], [f"h{i}"]))
+        prev = f"h{i}"
+    nodes.append(helper.make_node("Identity", [prev], ["y"]))
+    g = helper.make_graph(nodes, "slow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", rows, n])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", rows, n])],
+                          [numpy_helper.from_array(w, "w")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _slow_partition(path, target_s=1.0):
+    """Write a MatMul chain sized to take about ``target_s`` per batch of one on this host."""
+    import onnx
+    ort = pytest.importorskip("onnxruntime")
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    probe = ort.InferenceSession(_matmul_chain(20).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    x = np.ones((1, 64, 256), np.float32)
+    probe.run(None, {"x": x})
+    t = time.perf_counter()
+    probe.run(None, {"x": x})
+    per_layer = (time.perf_counter() - t) / 20
+    layers = int(min(20_000, max(20, target_s / max(per_layer, 1e-6))))
+    onnx.save(_matmul_chain(layers), str(path))
+    return x
+
+
+def test_ort_control_stays_responsive_during_a_long_inference(sched, tmp_path):
+    """A ~1 s ONNX Runtime batch runs in the vGPU's thread: meanwhile heartbeats keep coming at
+    their interval, a DISPATCH is taken in (the heartbeat counts it queued) and a PREPARE is
+    answered; the feedback's start/end are the run's own wall-clock times."""
+    cfg = write_config(tmp_path, backend="ort")
+    x = _slow_partition(tmp_path / "parts" / "tiny" / "0-1.onnx")
+    sched.spawn(cfg, "0")
+    ident, _, _ = sched.recv(T.REGISTER)
+    a = assignment(0, 0, True)
+    sched.send(ident, wire.welcome([a], 50))
+    sched.recv(T.HEARTBEAT, timeout_s=30)
+    sched.send(ident, wire.dispatch(1, [0], [0], [7]), x.tobytes())
+    sent = now_us()
+    time.sleep(0.2)  # the run is under way
+    sched.send(ident, wire.dispatch(2, [0], [0], [8]), x.tobytes())
+    sched.send(ident, wire.prepare(3, [a]))
+    sched.send(ident, wire.ALIVE_HEADER)
+    beats, preloaded, result = [], None, None
+    end = time.monotonic() + 60
+    while result is None and time.monotonic() < end:
+        if not sched.sock.poll(50):
+            continue
+        _, head, *frames = sched.sock.recv_multipart()
+        h = wire.decode(head)
+        if h[1] == T.HEARTBEAT:
+            beats.append((h[2], h[3]))
+        elif h[1] == T.PRELOADED:
+            preloaded = (now_us(), h)
+        elif h[1] == T.RESULT and h[2] == 1:
+            result = (now_us(), h)
+        elif h[1] == T.FEEDBACK:
+            sched.seen.append((ident, h, frames))
+    assert result is not None, "no RESULT for the long batch"
+    assert result[1][3] == [7] and result[1][5] == []
+    sched.piggybacked += result[1][6]
+    (_, b, hop, ready, start, stop), *_ = [e for e in sched.feedback(1) if e[1] == 1]
+    assert hop == 0 and ready <= start <= stop
+    assert stop - start >= 500_000, f"the long batch took only {(stop - start) / 1000:.0f} ms"
+    assert start - sent < 200_000 and stop <= result[0]
+    during = [(t, q) for t, q in beats if start <= t <= stop]
+    times = [start, *(t for t, _ in during), stop]
+    gaps = [b - a for a, b in zip(times, times[1:])]  # noqa: B905
+    assert len(during) >= (stop - start) / 50_000 / 4, (len(during), (stop - start) / 1000)
+    assert max(gaps) < 300_000, f"heartbeats stalled {max(gaps) / 1000:.0f} ms during the inference"
+    assert any(q == 2 for _, q in during), "the DISPATCH sent mid-run was not taken in"
+    assert preloaded is not None and preloaded[1][2] == 3 and preloaded[1][4] == ""
+    assert preloaded[0] < stop  # answered while the batch ran, not after it

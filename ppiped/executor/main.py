@@ -53,7 +53,7 @@ from ..daemon.loop import NOBLOCK, Reader, Timers, now_us, send_parts
 from ..errors import UserError
 from ..security import connect_as, load_keypair, serve, start_authenticator
 from ..wire import T
-from .backends import Backend, make_backend
+from .backends import Backend, CpuGate, host_cores, make_backend
 
 log = logs.get("ppiped.executor")
 
@@ -136,30 +136,56 @@ class Worker:
         heapq.heappop(self.heap)
         self.busy = True
         if self.pool is None:
+            # the emulator only waits: a loop timer, so hundreds of emulated vGPUs share a thread
             out = self.backend.run(job.frames, job.meta, len(job.ids))
             end = t + int(self.backend.duration_us(len(job.ids)))
-            self.exe.timers.call_at(end, self._done, job, t, out, None)
+            self.exe.timers.call_at(end, self._done, job, t, None, out)
         else:
-            fut = self.exe.loop.run_in_executor(self.pool, self.backend.run, job.frames, job.meta,
-                                                len(job.ids))
+            fut = self.exe.loop.run_in_executor(self.pool, self._run_timed, job)
             fut.add_done_callback(lambda f, job=job, t=t: self._thread_done(job, t, f))
+
+    def _run_timed(self, job: Job) -> tuple[int, int, Any, BaseException | None]:
+        """In the vGPU's thread: the batch and the wall-clock times of the run itself, so the
+        feedback holds neither the hand-over to the thread nor the event loop's delay in hearing
+        of the end. An error is returned with its times, not raised."""
+        gate = self.exe.cpu_gate if self.backend.cpu_threads else None
+        held = gate.acquire(self.backend.cpu_threads) if gate is not None else 0
+        try:
+            start = now_us()
+            try:
+                out, err = self.backend.run(job.frames, job.meta, len(job.ids)), None
+            except Exception as e:  # noqa: BLE001 - reported as the batch's failed entries
+                out, err = None, e
+            return start, now_us(), out, err
+        finally:
+            if gate is not None:
+                gate.release(held)
 
     def _on_timer(self) -> None:
         self.timer = None
         self.pump()
 
-    def _thread_done(self, job: Job, start: int, fut: asyncio.Future) -> None:
+    def _thread_done(self, job: Job, queued: int, fut: asyncio.Future) -> None:
+        if fut.cancelled():  # the worker was closed with this batch still queued in its thread
+            return
         err = fut.exception()
+        if err is None:
+            start, end, out, err = fut.result()
+            c = self.exe.counters  # where a batch's time went, in the stop log
+            c["run_us"] += end - start
+            c["wait_us"] += start - queued  # hand-over to the thread and the CPU gate
+            c["loop_lag_max_us"] = max(c["loop_lag_max_us"], now_us() - end)
+        else:  # _run_timed itself failed (it catches the backend's errors): times from the loop
+            start, end, out = queued, None, None
         if err is not None:
             log.error("batch-failed", vgpu=self.vgpu, batch=job.batch, error=repr(err))
-            self._done(job, start, ([], None, [(i, f"executor-error: {err}") for i in range(len(job.ids))]), err)
-        else:
-            self._done(job, start, fut.result(), None)
+            out = ([], None, [(i, f"executor-error: {err}") for i in range(len(job.ids))])
+        self._done(job, start, end, out)
 
-    def _done(self, job: Job, start: int, out: tuple, err: BaseException | None) -> None:
-        end = now_us()
+    def _done(self, job: Job, start: int, end: int | None, out: tuple) -> None:
+        """``end`` None: now (the emulator's timer, or a failure measured on the loop)."""
         self.busy = False
-        self.exe.finished(self, job, start, end, out)
+        self.exe.finished(self, job, start, now_us() if end is None else end, out)
         self.pump()
 
     def close(self) -> None:
@@ -195,8 +221,10 @@ class Executor:
         self.hb_ms = cfg.heartbeat_interval_ms
         self.hb_gen = 0
         self.exit_code = 0
+        self.cpu_gate = CpuGate(host_cores())  # the cores CPU-backend vGPUs of this process share
         self.counters = {"batches": 0, "requests": 0, "forwarded": 0, "dropped_no_peer": 0,
-                         "bad_peer_messages": 0, "bad_jobs": 0}
+                         "bad_peer_messages": 0, "bad_jobs": 0, "run_us": 0, "wait_us": 0,
+                         "loop_lag_max_us": 0}
 
     # --- life cycle ---------------------------------------------------------------------------
 
