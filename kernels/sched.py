@@ -188,6 +188,7 @@ INF = np.inf
 # batch is held to its last moment; twice the gap reaches about the 0.999 quantile of lognormal
 # noise
 WAIT_TAIL = 2.0
+WAIT_RHO = 0.5  # see _worth_waiting
 
 
 # --- probe and reserve (ppipe) -----------------------------------------------------------
@@ -641,6 +642,23 @@ def _hi_allowance(A, F, p, buf, now):
     return extra
 
 
+@njit(b1(I1, F1, i8, i8, i8, i8), cache=True)
+def _worth_waiting(A, F, m, p, n, b):
+    """Whether holding ``n`` requests for a batch of ``b`` on pipeline ``p`` pays: only while
+    the model's arrival rate is above ``WAIT_RHO`` of what batches of ``n`` could serve (the
+    planned rate scaled by their efficiency on the pipeline's slowest pool). Below that, a
+    smaller batch now costs nothing that is needed, and a held batch is a risk: held to its
+    last moment, any overrun makes it late (at light load that was most of the misses left)."""
+    B = A[H_B]
+    o_lat = off(A, X_LAT)
+    eff = 1.0
+    p0 = A[off(A, X_PIPE_POOL0) + p]
+    for k in range(A[off(A, X_PIPE_NPOOLS) + p]):
+        row = o_lat + (p0 + k) * B
+        eff = min(eff, n * F[row + b - 1] / (b * F[row + n - 1]))
+    return F[off(A, X_M_PGAP) + m] >= WAIT_RHO * eff * F[off(A, X_M_GAP) + m]
+
+
 @njit(i8(I1, F1, i8, f8), cache=True)
 def _ppipe_queue(A, F, m, now):
     """PPipe Algorithm 1 for model ``m``'s queue, until it is empty or waiting.
@@ -785,7 +803,8 @@ def _ppipe_queue(A, F, m, now):
             fn, w = probe(A, F, best_p, n, now, 1 - cbuf)
             if fn <= dh:
                 slack = dh - fn - WAIT_TAIL * _hi_allowance(A, F, best_p, 1 - cbuf, now) - guard
-                if slack >= min_wait and slack >= F[off(A, X_M_GAP) + m]:
+                if slack >= min_wait and slack >= F[off(A, X_M_GAP) + m] and _worth_waiting(
+                        A, F, m, best_p, n, chosen):
                     F[o_qw + m] = now + slack
                     return OK
                 buf = 1 - cbuf

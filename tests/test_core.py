@@ -350,6 +350,25 @@ def test_no_wait_when_no_more_requests_are_expected():
     assert d.reservations[0].start_us == pytest.approx(t - 5000.0)  # dispatched on arrival
 
 
+@pytest.mark.parametrize("gap_us, waits", [(400.0, False), (60.0, True)])
+def test_hold_only_while_arrivals_need_full_batches(gap_us, waits):
+    """Planned for 20,000 req/s at batch 2 (where batch 1 serves as many per vGPU-second). A
+    request that could wait for a partner within its slack is held only while arrivals come at
+    more than half that rate: at 2,500 /s a lone one goes at once (nothing needs the batching,
+    and a held batch is a risk), at 16,700 /s it waits."""
+    plan, profs = _one_pool_case(nv=1, bs=2)
+    s = Scheduler(plan, profs)
+    t, held = 0.0, []
+    for rid in range(40):
+        s.submit(rid, 0, t, t + 1000.0)
+        a = s.decide(t)
+        held.append(a.n_dispatch == 0)
+        if a.n_dispatch == 0 and s.pending():
+            s.cancel(rid, 0)  # keep each arrival alone, so only the rule decides
+        t += gap_us
+    assert held[-1] is waits
+
+
 def test_wake_dispatches_a_partial_batch():
     plan, profs = _one_pool_case(nv=1, bs=2)
     s = Scheduler(plan, profs)

@@ -308,7 +308,7 @@ class RefScheduler:
                     extra = 0.0 if self.hbf_until[m] > now else sum(
                         (self._hi(h[0]) - self.margin[h[0]][0]) * h[5] for h in hn)
                     slack = dh - fn - 2.0 * extra - self.guard
-                    if slack >= self.min_wait and slack >= self.gap[m]:
+                    if slack >= self.min_wait and slack >= self.gap[m] and self._worth_waiting(m, p, n, chosen):
                         return now + slack
                     fin, hops = fn, hn
             d = RefDispatch(m, p, 0, [h[0] for h in hops], True, [], fin)
@@ -333,6 +333,14 @@ class RefScheduler:
             q[:] = [r for r in q if r.rid not in taken]
             out.append(d)
         return INF
+
+    def _worth_waiting(self, m: int, p: int, n: int, b: int) -> bool:
+        """Hold n requests for a batch of b only while arrivals exceed half of what batches of n
+        could serve on the pipeline's slowest pool."""
+        L = self.L
+        pools = range(int(L.pipe_pool0[p]), int(L.pipe_pool0[p]) + int(L.pipe_npools[p]))
+        eff = min([1.0] + [n * float(L.lat[q, b - 1]) / (b * float(L.lat[q, n - 1])) for q in pools])
+        return self.pgap[m] >= 0.5 * eff * self.gap[m]
 
     def _handle(self, r: int) -> int:
         h = (self.handles << 20) | r
