@@ -4,7 +4,7 @@
   emulated vGPUs share one process) and its input frames pass through, so the last hop echoes
   every request's own frame back — replies can be checked end to end.
 * ``ort``: ONNX Runtime on CPU, one session per vGPU run in its own thread (ORT releases the GIL
-  while it runs); the vGPUs of a process share its cores through a :class:`CpuGate`.
+  while it runs, so the event loop goes on serving control messages meanwhile).
 * ``trt``: TensorRT engine with pycuda buffers (``ppiped/executor/trt.py``, imported lazily).
 
 A blocking backend's :meth:`run` is called from a worker thread; the emulator's never is.
@@ -12,10 +12,6 @@ A blocking backend's :meth:`run` is called from a worker thread; the emulator's 
 
 from __future__ import annotations
 
-import itertools
-import os
-import threading
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,53 +26,9 @@ ModelSource = tuple[Callable[[], Any], str]  # (loader returning an onnx.ModelPr
 Outputs = tuple[list, Any, list[tuple[int, str]]]  # frames, meta, [(input index, reason)] failed
 
 
-class CpuGate:
-    """At most ``cores`` CPU cores' worth of inference at once in this process, granted in
-    arrival order.
-
-    Several vGPU threads of the CPU backend on a host with fewer cores than vGPUs would otherwise
-    time-slice: every batch then runs several times slower than profiled, all of them late at
-    once, and the scheduler gives them up as overdue while they still burn the cores. Queued
-    here instead, each batch runs at its profiled speed once it starts, and the executor reports
-    the start it actually got. The event loop never waits here: only the vGPU threads do."""
-
-    def __init__(self, cores: int) -> None:
-        self.cores = max(1, cores)
-        self.free = self.cores
-        self.cond = threading.Condition()
-        self.waiting: deque[int] = deque()
-        self.tickets = itertools.count()
-
-    def acquire(self, n: int) -> int:
-        n = min(max(1, n), self.cores)
-        with self.cond:
-            me = next(self.tickets)
-            self.waiting.append(me)
-            while self.waiting[0] != me or self.free < n:
-                self.cond.wait()
-            self.waiting.popleft()
-            self.free -= n
-            self.cond.notify_all()  # the next in line may fit too
-        return n
-
-    def release(self, n: int) -> None:
-        with self.cond:
-            self.free += n
-            self.cond.notify_all()
-
-
-def host_cores() -> int:
-    """The CPUs this process may run on (its affinity, which LocalCluster and systemd may narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 class Backend:
     name = "base"
     blocking = True
-    cpu_threads = 0  # CPU cores one run keeps busy (CPU backends); 0: the work is on a GPU
 
     def __init__(self, a: Assignment) -> None:
         self.a = a
@@ -190,7 +142,6 @@ class OrtBackend(_TensorBackend):
     def __init__(self, a: Assignment, source: ModelSource, threads: int = 1) -> None:
         super().__init__(a, source)
         self.threads = threads
-        self.cpu_threads = threads
         self.sess = None
 
     def load(self) -> None:

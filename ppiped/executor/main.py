@@ -53,7 +53,7 @@ from ..daemon.loop import NOBLOCK, Reader, Timers, now_us, send_parts
 from ..errors import UserError
 from ..security import connect_as, load_keypair, serve, start_authenticator
 from ..wire import T
-from .backends import Backend, CpuGate, host_cores, make_backend
+from .backends import Backend, make_backend
 
 log = logs.get("ppiped.executor")
 
@@ -148,18 +148,12 @@ class Worker:
         """In the vGPU's thread: the batch and the wall-clock times of the run itself, so the
         feedback holds neither the hand-over to the thread nor the event loop's delay in hearing
         of the end. An error is returned with its times, not raised."""
-        gate = self.exe.cpu_gate if self.backend.cpu_threads else None
-        held = gate.acquire(self.backend.cpu_threads) if gate is not None else 0
+        start = now_us()
         try:
-            start = now_us()
-            try:
-                out, err = self.backend.run(job.frames, job.meta, len(job.ids)), None
-            except Exception as e:  # noqa: BLE001 - reported as the batch's failed entries
-                out, err = None, e
-            return start, now_us(), out, err
-        finally:
-            if gate is not None:
-                gate.release(held)
+            out, err = self.backend.run(job.frames, job.meta, len(job.ids)), None
+        except Exception as e:  # noqa: BLE001 - reported as the batch's failed entries
+            out, err = None, e
+        return start, now_us(), out, err
 
     def _on_timer(self) -> None:
         self.timer = None
@@ -173,7 +167,7 @@ class Worker:
             start, end, out, err = fut.result()
             c = self.exe.counters  # where a batch's time went, in the stop log
             c["run_us"] += end - start
-            c["wait_us"] += start - queued  # hand-over to the thread and the CPU gate
+            c["wait_us"] += start - queued  # hand-over to the thread
             c["loop_lag_max_us"] = max(c["loop_lag_max_us"], now_us() - end)
         else:  # _run_timed itself failed (it catches the backend's errors): times from the loop
             start, end, out = queued, None, None
@@ -221,7 +215,6 @@ class Executor:
         self.hb_ms = cfg.heartbeat_interval_ms
         self.hb_gen = 0
         self.exit_code = 0
-        self.cpu_gate = CpuGate(host_cores())  # the cores CPU-backend vGPUs of this process share
         self.counters = {"batches": 0, "requests": 0, "forwarded": 0, "dropped_no_peer": 0,
                          "bad_peer_messages": 0, "bad_jobs": 0, "run_us": 0, "wait_us": 0,
                          "loop_lag_max_us": 0}
