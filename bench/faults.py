@@ -204,6 +204,7 @@ def flood_child(endpoint: str, n: int, slo_ms: float, timeout_s: float) -> dict:
     sent_at = [0.0] * n
     outcome: dict[str, int] = {}
     in_slo = got = 0
+    seen = bytearray(n)
 
     def take(m: list) -> None:
         nonlocal in_slo, got
@@ -211,6 +212,8 @@ def flood_child(endpoint: str, n: int, slo_ms: float, timeout_s: float) -> dict:
         key = "ok" if h[3] == wire.Status.OK else f"{wire.Status(h[3]).name.lower()}:{h[4]}"
         outcome[key] = outcome.get(key, 0) + len(h[2])
         got += len(h[2])
+        for i in h[2]:
+            seen[i] += 1
         if h[3] == wire.Status.OK:
             t = time.monotonic()
             in_slo += sum(1 for i in h[2] if t - sent_at[i] <= slo_ms / 1000)
@@ -228,17 +231,22 @@ def flood_child(endpoint: str, n: int, slo_ms: float, timeout_s: float) -> dict:
         if s.poll(100):
             take(s.recv_multipart())
     ctx.destroy(0)
-    return {"sent": n, "send_s": round(send_s, 2), "answered": got, "no_reply": n - got,
+    missing = [i for i in range(n) if not seen[i]]
+    return {"sent": n, "missing_ids": [missing[:5], missing[-5:]], "answered_twice": sum(1 for x in seen if x > 1), "send_s": round(send_s, 2), "answered": got, "no_reply": n - got,
             "ok_in_slo": in_slo, "outcomes": outcome, "answered_within_s": round(time.monotonic() - t0, 2)}
 
 
 def flood(args) -> dict:
     with short_tmpdir("ppiped-faults-") as d, _cluster(Path(d)) as c:
         k = args.legit_clients
+        cpu0 = c.status()["cpu_s"]
         loads = [_Load(c, args.rate / k, args.seconds, seed=i) for i in range(k)]
         time.sleep(0.5)  # the load is running
+        # at nice 19: a remote flooder would not take this host's CPUs from the daemon, its
+        # executors and the legit clients (on a 2-core VM it otherwise starves them all)
         f = subprocess.Popen([sys.executable, __file__, "--flood-child", c.client_endpoint, str(args.flood)],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             stdout=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: os.nice(args.flood_nice))
         legit = [x.result() for x in loads]
         out, _ = f.communicate(timeout=120)
         try:
@@ -247,12 +255,14 @@ def flood(args) -> dict:
             fl = {"no_reply": -1}
         st = c.status()
         atts = [x.get("attainment", 0.0) for x in legit]
+        if fl.get("no_reply"):
+            print(c.tail("serve.log", 30), file=sys.stderr)
         return emit(case="flood", legit_attainment=atts, legit_min=min(atts),
                     legit_no_reply=sum(x.get("no_reply", 1) for x in legit),
                     legit_outcomes=[{"sent": x.get("sent"), "drop": x.get("drop_reasons"),
                                      "reject": x.get("reject_reasons"), "p50_ms": x.get("p50_ms"),
                                      "p99_ms": x.get("p99_ms")} for x in legit],
-                    flooder=fl, daemon_queued=st["queued"], daemon_in_flight=st["models"]["tiny"]["in_flight"],
+                    flooder=fl, daemon_cpu_s=round(st["cpu_s"] - cpu0, 2), daemon_queued=st["queued"], daemon_in_flight=st["models"]["tiny"]["in_flight"],
                     daemon_counters={k: v for k, v in st["counters"].items()
                                                  if k.startswith(("shed", "overloaded", "late"))},
                     ok=min(atts) >= 0.99 and fl.get("no_reply", 1) == 0
@@ -270,6 +280,7 @@ def main() -> int:
     ap.add_argument("--only", help=f"comma-separated cases ({', '.join(CASES)})")
     ap.add_argument("--flood", type=int, default=100_000, help="flood: SUBMITs the flooder sends")
     ap.add_argument("--legit-clients", type=int, default=2, help="flood: loadgen processes sharing --rate")
+    ap.add_argument("--flood-nice", type=int, default=19, help="flood: the flooder's niceness")
     ap.add_argument("--flood-child", nargs=2, metavar=("ENDPOINT", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.flood_child:

@@ -33,7 +33,7 @@ import numpy as np
 import zmq
 
 from . import wire
-from .daemon.loop import Reader, send_parts
+from .daemon.loop import Reader, now_us, send_parts
 from .errors import InputError
 from .security import Security, connect_as, load_keypair
 from .wire import Status, T
@@ -193,6 +193,8 @@ class AsyncClient:
 
     def flush(self) -> None:
         """Send everything queued: one multipart per (model, SLO), at most ``max_ids`` requests each.
+        Each carries this host's monotonic clock at the send (``sent_us``), so the scheduler can
+        tell how long it queued before being read and start the SLO clock at the send.
 
         Never blocks the event loop: while the scheduler is unreachable (down, or refusing this
         client's CURVE key) a DEALER cannot take messages; what is left is retried shortly, and
@@ -204,8 +206,8 @@ class AsyncClient:
             for i in range(0, len(ids), self.max_ids):
                 chunk = ids[i:i + self.max_ids]
                 try:
-                    send_parts(sock, [wire.submit(model, slo_us, chunk, prio), *frames[i:i + self.max_ids]],
-                               zmq.NOBLOCK)
+                    send_parts(sock, [wire.submit(model, slo_us, chunk, prio, now_us()),
+                                      *frames[i:i + self.max_ids]], zmq.NOBLOCK)
                 except zmq.Again:
                     q = self._out.setdefault((model, slo_us, prio), ([], []))
                     q[0].extend(ids[i:])

@@ -30,7 +30,7 @@ MAX_HEADER_BYTES = 1 << 20
 class T(IntEnum):
     """Message types. 1–15: client ↔ scheduler; 16–: executor ↔ scheduler and executor ↔ executor."""
 
-    SUBMIT = 1  # C→S  model, slo_us (0: the model's SLO), ids[, priority] + one frame per id
+    SUBMIT = 1  # C→S  model, slo_us (0: the model's SLO), ids[, priority[, sent_us]] + one frame per id
     REPLY = 2  # S→C   ids, status, reason, meta                           + one frame per id if OK
     ERROR = 3  # any   code, message (the message could not be tied to request ids)
     PING = 4  # C→S    token
@@ -134,7 +134,7 @@ _KIND = {_uint: "unsigned int", _int: "int", _str: "string", _uints: "list of un
 
 Field = tuple[str, Callable[[Any], bool]]
 SCHEMAS: dict[int, tuple[Field, ...]] = {
-    T.SUBMIT: (("model", _str), ("slo_us", _uint), ("ids", _uints), ("priority", _uint)),
+    T.SUBMIT: (("model", _str), ("slo_us", _uint), ("ids", _uints), ("priority", _uint), ("sent_us", _uint)),
     T.REPLY: (("ids", _uints), ("status", _uint), ("reason", _str), ("meta", _any)),
     T.ERROR: (("code", _str), ("message", _str)),
     T.PING: (("token", _any),),
@@ -156,8 +156,9 @@ SCHEMAS: dict[int, tuple[Field, ...]] = {
     T.PRELOADED: (("prep", _uint), ("load_us", _uint), ("error", _str)),
 }
 # trailing fields a sender may leave out, with the value they then take (older clients send
-# SUBMIT without a priority: the low class)
-OPTIONAL: dict[int, tuple[Any, ...]] = {T.SUBMIT: (0,)}
+# SUBMIT without a priority: the low class; without sent_us, the client's monotonic clock in µs
+# when it sent the message: 0, unknown, and the SLO clock starts when the scheduler reads it)
+OPTIONAL: dict[int, tuple[Any, ...]] = {T.SUBMIT: (0, 0)}
 PRIORITIES = 2  # SUBMIT.priority: 0 low, 1 high
 FEEDBACK_STRIDE = 6
 
@@ -211,7 +212,11 @@ def _short(x: Any) -> str:
 _pack = msgpack.packb
 
 
-def submit(model: str, slo_us: int, ids: Sequence[int], priority: int = 0) -> bytes:
+def submit(model: str, slo_us: int, ids: Sequence[int], priority: int = 0, sent_us: int = 0) -> bytes:
+    """``sent_us``: the sender's monotonic clock at send (µs; 0: unknown). With it the scheduler
+    sees how long the message queued before it read it, and starts the SLO clock at the send."""
+    if sent_us:
+        return _pack([VERSION, T.SUBMIT, model, slo_us, ids, priority, sent_us])
     if priority:
         return _pack([VERSION, T.SUBMIT, model, slo_us, ids, priority])
     return _pack([VERSION, T.SUBMIT, model, slo_us, ids])

@@ -45,7 +45,7 @@ def test_every_constructor_round_trips():
     (msgpack.packb([2, T.SUBMIT, "m", 0, [1]]), wire.VERSION_MISMATCH, "version 2"),
     (msgpack.packb([1, 77]), wire.MALFORMED, "unknown message type 77"),
     (msgpack.packb([1, "SUBMIT"]), wire.MALFORMED, "unknown message type"),
-    (msgpack.packb([1, T.SUBMIT, "m", 0]), wire.MALFORMED, "expected 3 to 4 fields"),
+    (msgpack.packb([1, T.SUBMIT, "m", 0]), wire.MALFORMED, "expected 3 to 5 fields"),
     (msgpack.packb([1, T.SUBMIT, 5, 0, [1]]), wire.MALFORMED, "SUBMIT.model: expected string"),
     (msgpack.packb([1, T.SUBMIT, "m", -1, [1]]), wire.MALFORMED, "SUBMIT.slo_us"),
     (msgpack.packb([1, T.SUBMIT, "m", 0, [1, True]]), wire.MALFORMED, "SUBMIT.ids"),
@@ -75,10 +75,24 @@ def test_submit_priority_is_an_optional_trailing_field():
     assert len(wire.submit("m", 0, [1])) < len(wire.submit("m", 0, [1], 1))
     with pytest.raises(ProtocolError, match="SUBMIT.priority"):
         wire.decode(msgpack.packb([1, T.SUBMIT, "m", 0, [1], "high"]))
-    with pytest.raises(ProtocolError, match="expected 3 to 4 fields"):
-        wire.decode(msgpack.packb([1, T.SUBMIT, "m", 0, [1], 1, 2]))
+    with pytest.raises(ProtocolError, match="expected 3 to 5 fields"):
+        wire.decode(msgpack.packb([1, T.SUBMIT, "m", 0, [1], 1, 2, 3]))
     with pytest.raises(ProtocolError, match="expected 1 fields"):  # no optional fields elsewhere
         wire.decode(msgpack.packb([1, T.PING]))
+
+
+def test_submit_sent_us_is_an_optional_trailing_field():
+    """``sent_us`` follows ``priority``: a sender that gives it spells the priority out (0 too);
+    left out, or from an older client, it decodes as 0 (unknown)."""
+    assert wire.decode(wire.submit("m", 0, [1]))[6] == 0
+    assert wire.decode(wire.submit("m", 0, [1], 1))[5:] == [1, 0]
+    h = wire.decode(wire.submit("m", 0, [1], 0, 123_456_789))
+    assert h[2:] == ["m", 0, [1], 0, 123_456_789]
+    assert msgpack.unpackb(wire.submit("m", 0, [1], 0, 5)) == [1, T.SUBMIT, "m", 0, [1], 0, 5]
+    assert wire.decode(msgpack.packb([1, T.SUBMIT, "m", 0, [1], 1, 7]))[5:] == [1, 7]
+    for bad in (-1, 1.5, "now"):
+        with pytest.raises(ProtocolError, match="SUBMIT.sent_us"):
+            wire.decode(msgpack.packb([1, T.SUBMIT, "m", 0, [1], 0, bad]))
 
 
 def test_bad_assignment_rejected():

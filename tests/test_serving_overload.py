@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -18,7 +19,7 @@ import zmq
 from test_server_hotpath import Rig
 
 from ppiped import wire
-from ppiped.client import Rejected, error_for
+from ppiped.client import AsyncClient, Rejected, Result, error_for
 from ppiped.daemon import loop as L
 from ppiped.daemon import server as S
 from ppiped.daemon.config import ConfigError, load_config
@@ -252,5 +253,134 @@ def test_flood_past_the_limit_gets_exactly_one_reply_each():
                 assert st["counters"]["overloaded"] == outcome[(Status.REJECTED, wire.OVERLOADED)]
                 assert c.server.poll() is None
                 assert "Traceback" not in c.tail("serve.log", 5000)
+            finally:
+                ctx.destroy(0)
+
+
+def _submit_as(rig: Rig, sock: zmq.Socket, header: bytes, n: int) -> None:
+    send_parts(sock, [header, *[b"x" * 16] * n])
+    assert rig.srv.client.poll(1000)
+    rig.srv.on_client(L.recv_parts(rig.srv.client, 0))
+
+
+def test_fair_admission_refuses_the_client_over_its_share(tmp_path, monkeypatch):
+    """A client alone may fill the model's capacity; once another has requests in flight, the
+    first is over its fair share and refused ``overloaded`` at once, while the other, under its
+    share, is admitted although the first filled the capacity."""
+    rig = Rig(tmp_path, monkeypatch)
+    flooder = rig.ctx.socket(zmq.DEALER)
+    try:
+        srv = rig.srv
+        flooder.setsockopt(zmq.IDENTITY, b"F")
+        flooder.connect(f"inproc://client-{id(rig)}")
+        st = srv.stats[0]
+        cap = srv.fair_cap[0]
+        big = int(cap) + 50
+        _submit_as(rig, flooder, wire.submit(tiny.MODEL, 0, list(range(big))), big)
+        assert st.accepted == big and st.clients == 1  # alone: admission as before
+        _submit_as(rig, rig.cl, wire.submit(tiny.MODEL, 0, [1000, 1001]), 2)
+        assert st.accepted == big + 2 and st.clients == 2  # under its share: admitted
+        _submit_as(rig, flooder, wire.submit(tiny.MODEL, 0, [5000]), 1)
+        [m] = rig.drain(flooder)
+        h = wire.decode(m[0])
+        assert (h[2], h[3], h[4]) == ([5000], Status.REJECTED, wire.OVERLOADED) and "fair share" in h[5]
+        assert srv.counters["shed_share"] == 1 and st.accepted == big + 2
+        assert srv.status()["models"][tiny.MODEL]["clients"] == 2
+        # every answer gives the share back: nothing in flight, no active client left
+        rig.t += 20_000
+        srv.decide(rig.t)
+        while _results_for_dispatches(rig):
+            pass
+        assert st.accepted == st.answered and st.clients == 0
+        assert all(sh.n == 0 for p in srv.peers.values() for sh in p.shares.values())
+        rig.t += S.CLIENT_IDLE_US + 1
+        srv.forget_clients(rig.t)  # idle and nothing in flight: forgotten
+        assert srv.peers == {}
+    finally:
+        flooder.close(0)
+        rig.close()
+
+
+def test_submit_that_queued_past_its_slo_is_dropped_deadline_at_once(tmp_path, monkeypatch):
+    """``sent_us``: the least (receive - sent_us) is the client's clock offset; a message that
+    took longer waited in the socket, its deadline starts at its send, and one that waited past
+    its SLO (20 ms here) is answered DROPPED ``deadline`` at once, never served late."""
+    rig = Rig(tmp_path, monkeypatch, extra="[limits]\nmax_backlog_ms = 1000\n")
+    try:
+        srv = rig.srv
+        skew = 7_777_777  # the client's clock runs ahead: clocks need not agree
+
+        def deadline(cid: int) -> int:
+            reqs = [*srv.reqs.values(), *(r for b in srv.batches.values() for r in b.reqs.values())]
+            [r] = [r for r in reqs if r.cid == cid]
+            return r.deadline
+
+        _submit_as(rig, rig.cl, wire.submit(tiny.MODEL, 0, [1], 0, rig.t + skew - 100), 1)
+        assert deadline(1) == rig.t + 20_000  # the least delay seen: none queued
+        rig.t += 1_000
+        _submit_as(rig, rig.cl, wire.submit(tiny.MODEL, 0, [2], 0, rig.t + skew - 100 - 5_000), 1)
+        assert deadline(2) == rig.t - 5_000 + 20_000  # queued 5 ms
+        rig.t += 1_000
+        _submit_as(rig, rig.cl, wire.submit(tiny.MODEL, 0, [3, 4], 0, rig.t + skew - 100 - 25_000), 2)
+        late = [wire.decode(m[0]) for m in rig.drain(rig.cl)]
+        late = [h for h in late if h[2] == [3, 4]]
+        assert [(h[3], h[4]) for h in late] == [(Status.DROPPED, wire.DEADLINE)]
+        assert srv.counters["late_on_arrival"] == 2 and srv.stats[0].dropped[wire.DEADLINE] >= 2
+        # a client that lies (sent_us far in the future) only makes its own later messages look late
+        rig.t += 1_000
+        _submit_as(rig, rig.cl, wire.submit(tiny.MODEL, 0, [5], 0, rig.t + 10**15), 1)
+        rig.t += 1_000
+        _submit_as(rig, rig.cl, wire.submit(tiny.MODEL, 0, [6], 0, rig.t + skew - 100), 1)
+        assert srv.counters["late_on_arrival"] == 3
+    finally:
+        rig.close()
+
+
+def test_polite_client_is_served_beside_a_flooding_one():
+    """One client floods single-request SUBMITs as fast as it can (and reads nothing); another
+    sends a steady trickle with a 5 s SLO: every polite request is answered OK."""
+    n_flood, n_polite = 30_000, 150
+    with short_tmpdir("ppiped-fair-") as d:
+        d = Path(d)
+        plan, profiles = tiny.write_example(d)
+        cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=5000,
+                           extra="[limits]\nmax_backlog_ms = 10000\n[models.tiny]\ninput_bytes = 0\n")
+        with LocalCluster(cfg, ((0, 2), (1, 3))) as c:
+            ctx = zmq.Context()
+            flood_done = threading.Event()
+
+            def flood() -> None:
+                s = ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SNDHWM, 0)
+                s.connect(c.client_endpoint)
+                for i in range(n_flood):
+                    s.send_multipart([wire.submit(tiny.MODEL, 0, [i]), b"f"])
+                flood_done.wait(60)
+                s.close(0)
+
+            async def polite() -> list:
+                async with AsyncClient(c.client_endpoint, timeout_s=30) as ac:
+                    await ac.submit(tiny.MODEL, b"warm", slo_ms=5000)
+                    th = threading.Thread(target=flood)
+                    th.start()
+                    try:
+                        futs = []
+                        for i in range(n_polite):
+                            futs.append(asyncio.ensure_future(ac.submit(tiny.MODEL, b"p%d" % i, slo_ms=5000)))
+                            await asyncio.sleep(0.002)
+                        return await asyncio.gather(*futs, return_exceptions=True)
+                    finally:
+                        flood_done.set()
+                        th.join()
+
+            try:
+                outs = asyncio.run(polite())
+                st = c.status()
+                assert all(isinstance(o, Result) for o in outs), (Counter(
+                    getattr(o, "reason", type(o).__name__) for o in outs), st["counters"])
+                assert [o.data for o in outs] == [b"p%d" % i for i in range(n_polite)]
+                assert st["counters"].get("shed_share", 0) > 0  # the flooder was held to its share
+                assert c.server.poll() is None
             finally:
                 ctx.destroy(0)

@@ -71,16 +71,30 @@ MAX_VGPU_ID = 1 << 16  # registrations beyond the plan's vGPUs wait on standby, 
 DONE_BATCH_KEEP_US = 2_000_000  # keep answered batches this long for late feedback
 REPORT_MANY_FROM = 8  # feedback reports: one compiled call each below this many, else one for all
 WARN_EVERY_US = 1_000_000  # repeated warnings of one kind: at most one log line a second
+# Clients (fair admission, queueing delay): what the daemon keeps per client connection is
+# forgotten once it has nothing in flight and has been silent this long; past MAX_CLIENTS known
+# connections, every one with nothing in flight is forgotten at once (at most every 0.1 s).
+CLIENT_IDLE_US = 10_000_000
+CLIENT_PRUNE_US = 1_000_000
+MAX_CLIENTS = 1 << 16
+# A client's clock offset plus its base delay is the least (receive - sent_us) over the last
+# one to two of these windows: long enough to see a message that did not queue, short enough
+# to follow clock drift (and a client restarted with a new clock on the same connection).
+CLOCK_WINDOW_US = 5_000_000
+# Under contention (two or more clients with requests in flight for a model) the model's
+# admission capacity is at most this share of what it serves in one SLO at its planned
+# throughput: with that many ahead of it, a new request still makes its SLO.
+FAIR_SLO_SHARE = 0.5
 
 
 class Req:
     """A request from SUBMIT until its reply. ``arrival`` is when the scheduler received it (a
     retry keeps it); one is made per request, so the constructor is kept to plain stores."""
 
-    __slots__ = ("ident", "cid", "frame", "model", "arrival", "deadline", "retried", "prio")
+    __slots__ = ("ident", "cid", "frame", "model", "arrival", "deadline", "retried", "prio", "share")
 
     def __init__(self, ident: bytes, cid: int, frame: Any, model: int, arrival: int, deadline: int,
-                 prio: int = 0) -> None:
+                 prio: int, share: Share) -> None:
         self.ident = ident
         self.cid = cid
         self.frame = frame
@@ -89,6 +103,40 @@ class Req:
         self.deadline = deadline
         self.retried = False
         self.prio = prio
+        self.share = share
+
+
+class Share:
+    """One client's requests in flight for one model: what fair admission counts. ``st`` is the
+    model's stats, whose ``clients`` counts the shares above zero."""
+
+    __slots__ = ("n", "st")
+
+    def __init__(self, st: ModelStats) -> None:
+        self.n = 0
+        self.st = st
+
+    def done(self, k: int = 1) -> None:
+        """``k`` of its requests were answered."""
+        self.n -= k
+        if not self.n:
+            self.st.clients -= 1
+
+
+class Peer:
+    """A client connection (ROUTER identity): its clock offset, for the time its messages queued
+    before the daemon read them, and its fair-admission shares by model name (one dict for
+    every connection of a CURVE key, which is then the client's identity)."""
+
+    __slots__ = ("key", "shares", "off", "off_prev", "off_at", "seen", "epoch", "msgs")
+
+    def __init__(self, key: bytes | None, shares: dict[str, Share], t: int) -> None:
+        self.key = key
+        self.shares = shares
+        self.off = self.off_prev = math.inf  # least (receive - sent_us): this window, the last
+        self.off_at = t + CLOCK_WINDOW_US  # when this window ends
+        self.seen = t
+        self.epoch = self.msgs = 0  # messages read since the client socket fell behind at ``epoch``
 
 
 class Batch:
@@ -131,7 +179,8 @@ class ModelStats:
     """Per model: counts, and the admission window (see :meth:`Server.adjust_limits`)."""
 
     __slots__ = ("accepted", "ok", "dropped", "rejected", "batches", "batch_reqs", "answered", "limit",
-                 "late", "limited", "peak", "calm", "was_late", "ok_late", "gpu_us", "invalid_us", "high")
+                 "late", "limited", "peak", "calm", "was_late", "ok_late", "gpu_us", "invalid_us", "high",
+                 "clients")
 
     def __init__(self) -> None:
         self.accepted = self.ok = self.batches = self.batch_reqs = 0
@@ -148,6 +197,7 @@ class ModelStats:
         self.peak = 0  # this interval: the most requests in flight
         self.calm = 0  # intervals in a row neither late nor refusing anything
         self.was_late = False  # the previous interval was late
+        self.clients = 0  # clients with requests in flight (fair admission shares them the window)
 
 
 class Server:
@@ -198,6 +248,12 @@ class Server:
         self.vgpu_exec: list[ExecState | None] = [None] * self.nv
         self.execs: dict[bytes, ExecState] = {}
         self.reqs: dict[int, Req] = {}  # queued in the core
+        self.peers: dict[bytes, Peer] = {}  # client connections by ROUTER identity
+        self.key_shares: dict[bytes, dict[str, Share]] = {}  # CURVE: shares by client key
+        self.prune_at = 0  # when idle clients are next forgotten
+        self.force_prune_at = 0  # past MAX_CLIENTS: the soonest they may be forgotten again
+        # since the client socket fell behind (at epoch_since): messages read, clients they came from
+        self.epoch_since = self.epoch_msgs = self.epoch_senders = 0
         self.batches: dict[int, Batch] = {}
         self.next_rid = 1
         self.next_batch = 1
@@ -240,9 +296,14 @@ class Server:
         self.slo_us = []
         self.input_bytes = []  # checked at admission (0: not checked)
         self.input_specs: list[dict | None] = []  # what clients are told to send
+        self.fair_cap: list[float] = []  # requests in flight shared out under contention
+        rate = lay.rate_rps
         for i, m in enumerate(self.model_names):
             ms = self.cfg.models.get(m)
             self.slo_us.append(int(ms.slo_ms * 1000) if ms and ms.slo_ms else int(lay.slo_us[i]))
+            r = float(rate[i]) if rate is not None else 0.0
+            self.fair_cap.append(max(MIN_LIMIT, r * self.slo_us[i] * 1e-6 * FAIR_SLO_SHARE) if r > 0
+                                 else math.inf)
             self.input_bytes.append(ms.input_bytes if ms else 0)
             prof = self.profiles.get(m)
             self.input_specs.append(prof.input_spec() if prof is not None else None)
@@ -486,7 +547,7 @@ class Server:
                 "input": spec}
 
     def on_submit(self, ident: bytes, h: list, msg: list, t: int) -> None:
-        _, _, model, slo_us, ids, prio = h
+        _, _, model, slo_us, ids, prio, sent = h
         frames = msg[2:]
         if not ids:
             self.counters["malformed"] += 1
@@ -522,25 +583,77 @@ class Server:
             self._reject(ident, ids, wire.MALFORMED, st, f"SLO {slo / 1000:g} ms is above "
                          f"limits.max_slo_ms = {self.cfg.max_slo_ms:g}")
             return
+        peer = self.peers.get(ident)
+        if peer is None or (self.cfg.security.curve and peer.key != peer_key(msg[1])):
+            peer = self._new_peer(ident, msg[1], t)
+        peer.seen = t
+        sh = peer.shares.get(model)
+        if sh is None or sh.st is not st:  # (a replan may have removed the model, then added it back)
+            sh = peer.shares[model] = Share(st)
+        delay = 0  # how long the message queued before the daemon read it (0: not known)
+        if sent:
+            # (receive - sent) is the client's clock offset plus its base delay plus the queueing;
+            # the least over the last window or two is the first two (as executors' offsets)
+            d = t - sent
+            if t >= peer.off_at:
+                peer.off_prev, peer.off, peer.off_at = peer.off, d, t + CLOCK_WINDOW_US
+            elif d < peer.off:
+                peer.off = d
+            off = peer.off if peer.off < peer.off_prev else peer.off_prev
+            delay = d - off if d - off < slo else slo  # a lying client harms only its own requests
+            if delay == slo:
+                self._late_on_arrival(ident, ids, st, prio, delay)
+                return
+        behind_us = min(self.max_backlog_us, slo >> 1)
+        # Fair admission: with other clients in flight for this model, a client at its fair share
+        # of the model's capacity takes no more (max-min: what the others leave unused is free)
+        n_clients = st.clients if sh.n else st.clients + 1
+        fair = math.inf
+        if n_clients > 1:
+            cap = min(st.limit, self.fair_cap[m], self.cfg.max_pending)
+            fair = cap / n_clients
         since = self.client_reader.busy_since
-        if since and t - since > min(self.max_backlog_us, slo >> 1):
-            self._shed(ident, ids, st, t, "backlog", f"client socket backlogged {(t - since) / 1000:.1f} ms")
-            return
+        if since:
+            # The socket is behind (one client's flood, or the loop's own ceiling): count messages
+            # per client since it fell behind, and shed what comes from clients that sent more
+            # than the mean or hold more than their share, so a flood does not shut others out.
+            if peer.epoch != since:
+                if self.epoch_since != since:
+                    self.epoch_since, self.epoch_msgs, self.epoch_senders = since, 0, 0
+                peer.epoch, peer.msgs = since, 0
+                self.epoch_senders += 1
+            peer.msgs += 1
+            self.epoch_msgs += 1
+            if t - since > behind_us and (self.epoch_senders < 2 or sh.n + len(ids) > fair
+                                          or peer.msgs * self.epoch_senders > self.epoch_msgs):
+                self._shed(ident, ids, st, t, "backlog", f"client socket backlogged {(t - since) / 1000:.1f} ms")
+                return
         inflight = st.accepted - st.answered
         window = st.limit - inflight
-        room = self.cfg.max_pending - len(self.reqs)
+        queue = self.cfg.max_pending - len(self.reqs)
+        room = queue
         if window <= room:
             room = window
             if window < len(ids):  # the window refuses some: it may be too small
                 st.limited = True
+        if n_clients > 1:
+            # max-min: the capacity the others leave, and never less than the fair share, even
+            # when another client has filled the window (it is then over its share, and refused)
+            free = cap - inflight + sh.n
+            share = (free if free > fair else fair) - sh.n
+            room = share if share < queue else queue
+            if share <= 0:
+                self._shed(ident, ids, st, t, "share", f"{model}: this client has {sh.n} requests in "
+                           f"flight, its fair share of {cap:.0f} with {n_clients} clients")
+                return
         if room <= 0:
-            if window <= 0:
+            if window <= 0 and room < queue:
                 cause, why = "window", f"{model}: {inflight} requests in flight, admission window {st.limit}"
             else:
                 cause, why = "queue", f"{len(self.reqs)} requests queued, limits.max_pending {self.cfg.max_pending}"
             self._shed(ident, ids, st, t, cause, why)
             return
-        deadline = t + slo
+        deadline = t - delay + slo
         limit = self.cfg.max_payload_bytes
         want = self.input_bytes[m]
         reqs = self.reqs
@@ -558,20 +671,66 @@ class Server:
                 bad.setdefault(wire.OVERLOADED, []).append(cid)
                 continue
             room -= 1
-            reqs[rid] = Req(ident, cid, f, m, t, deadline, prio)
+            reqs[rid] = Req(ident, cid, f, m, t, deadline, prio, sh)
             rid += 1
-        if rid > rid0:  # the accepted ones have consecutive ids: one compiled call queues them all
-            self.core.submit_many(rid0, rid - rid0, m, float(t), float(deadline), prio)
-        st.accepted += rid - rid0
+        k = rid - rid0
+        if k:  # the accepted ones have consecutive ids: one compiled call queues them all
+            self.core.submit_many(rid0, k, m, float(t), float(deadline), prio)
+            if not sh.n:
+                st.clients += 1
+            sh.n += k
+        st.accepted += k
         if prio:
-            st.high[0] += rid - rid0
-        if inflight + rid - rid0 > st.peak:
-            st.peak = inflight + rid - rid0
+            st.high[0] += k
+        if inflight + k > st.peak:
+            st.peak = inflight + k
         self.next_rid = rid
         self._dirty_decide = True
         for reason, cids in bad.items():
             self.counters[reason] += len(cids)
             self._reject(ident, cids, reason, st)
+
+    def _new_peer(self, ident: bytes, frame: Any, t: int) -> Peer:
+        """State for a client connection seen for the first time (or whose CURVE key changed:
+        a ROUTER identity a client chose may come back on another connection)."""
+        if len(self.peers) >= MAX_CLIENTS and t >= self.force_prune_at:
+            self.force_prune_at = t + CLIENT_PRUNE_US // 10
+            self.forget_clients(t, forced=True)
+        key = peer_key(frame) if self.cfg.security.curve else None
+        if key is None:
+            shares: dict[str, Share] = {}
+        else:
+            shares = self.key_shares.setdefault(key, {})
+        p = self.peers[ident] = Peer(key, shares, t)
+        return p
+
+    def forget_clients(self, t: int, forced: bool = False) -> None:
+        """Forget client connections with nothing in flight and silent for ``CLIENT_IDLE_US``
+        (``forced``: any with nothing in flight), so per-client state stays bounded."""
+        idle = t if forced else t - CLIENT_IDLE_US
+        peers = self.peers
+        for ident, p in list(peers.items()):
+            if p.seen <= idle and not any(sh.n for sh in p.shares.values()):
+                del peers[ident]
+        if self.key_shares:
+            used = {p.key for p in peers.values()}
+            for key, shares in list(self.key_shares.items()):
+                if key not in used and not any(sh.n for sh in shares.values()):
+                    del self.key_shares[key]
+
+    def _late_on_arrival(self, ident: bytes, ids: list[int], st: ModelStats, prio: int, delay: int) -> None:
+        """A SUBMIT that queued (before the daemon read it) past its SLO: it is dropped at once,
+        never served late as if it had just arrived."""
+        n = len(ids)
+        st.accepted += n
+        st.answered += n
+        st.dropped[wire.DEADLINE] += n
+        if prio:
+            st.high[0] += n
+            st.high[2] += n
+        self.counters["late_on_arrival"] += n
+        send_parts(self.client, [ident, wire.reply(ids, Status.DROPPED, wire.DEADLINE,
+                                                   f"queued {delay / 1000:.1f} ms before it was read")])
 
     def _shed(self, ident: bytes, ids: list[int], st: ModelStats, t: int, cause: str, detail: str) -> None:
         """Answer a whole SUBMIT ``overloaded`` at once, before its payloads are looked at: the
@@ -583,7 +742,7 @@ class Server:
         st.rejected[wire.OVERLOADED] += n
         self.counters[wire.OVERLOADED] += n
         self.counters["shed_messages"] += 1
-        self.counters[f"shed_{cause}"] += n  # backlog, window or queue (max_pending)
+        self.counters[f"shed_{cause}"] += n  # backlog, share (fair admission), window or queue (max_pending)
         send_parts(self.client, [ident, wire.reply(ids, Status.REJECTED, wire.OVERLOADED, detail)])
         self.shed_us[self.n_shed & (SHED_SAMPLES - 1)] = now_us() - t
         self.n_shed += 1
@@ -609,6 +768,7 @@ class Server:
             st = self.stats[r.model]
             st.dropped[reason] += 1
             st.answered += 1
+            r.share.done()
             if r.prio:
                 st.high[2] += 1
         for ident, cids in by.items():
@@ -653,6 +813,7 @@ class Server:
                 st = self.stats[r.model]
                 st.dropped[reason] += 1
                 st.answered += 1
+                r.share.done()
                 if r.prio:
                     st.high[2] += 1
                 by[(r.ident, reason)].append(r.cid)
@@ -1017,6 +1178,10 @@ class Server:
                 r = b.reqs.pop(rid, None)
                 if r is None:
                     continue
+                sh = r.share
+                sh.n -= 1
+                if not sh.n:
+                    sh.st.clients -= 1
                 if t > r.deadline:
                     wasted += 1
                 elif r.prio:
@@ -1038,6 +1203,7 @@ class Server:
                 r = b.reqs.pop(failed[i], None)
                 if r is None:
                     continue
+                r.share.done()
                 st.gpu_us += per
                 st.invalid_us += per
                 if r.prio:
@@ -1174,6 +1340,9 @@ class Server:
             elif t - b.done_at > DONE_BATCH_KEEP_US:
                 self.batches.pop(b.id, None)
         self.core.gc(float(t - 1000))
+        if t >= self.prune_at:
+            self.prune_at = t + CLIENT_PRUNE_US
+            self.forget_clients(t)
         self.rates.update([s.accepted for s in self.stats], t)
         self.replanner.maybe_auto()
         if self._dirty_decide:
@@ -1241,7 +1410,7 @@ class Server:
                          "invalid_rate": s.invalid_us / s.gpu_us if s.gpu_us else 0.0,
                          "high": {"accepted": s.high[0], "ok_in_slo": s.high[1], "dropped": s.high[2]},
                          "dropped": dict(s.dropped), "rejected": dict(s.rejected),
-                         "in_flight": s.accepted - s.answered,
+                         "in_flight": s.accepted - s.answered, "clients": s.clients,
                          "limit": s.limit if math.isfinite(s.limit) else None,
                          "pending": self.core.pending(i), "batches": s.batches,
                          "mean_batch": s.batch_reqs / s.batches if s.batches else 0.0}
@@ -1265,7 +1434,7 @@ class Server:
                       "missing": format_ranges([v for v in range(self.nv) if self.vgpu_exec[v] is None])},
             "busy_us": list(self.busy_us),
             "in_flight_batches": sum(1 for b in self.batches.values() if not b.answered),
-            "queued": len(self.reqs), "overhead_us": self.overhead_us(),
+            "queued": len(self.reqs), "clients": len(self.peers), "overhead_us": self.overhead_us(),
             "wake_late_us": self._pcts(self.wake_late, self.n_wake),
             "shed_us": self._pcts(self.shed_us, self.n_shed), "counters": dict(self.counters),
             "core": self.core.stats(), "totals": self._totals(),
