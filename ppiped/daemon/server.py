@@ -81,6 +81,7 @@ MAX_CLIENTS = 1 << 16
 # one to two of these windows: long enough to see a message that did not queue, short enough
 # to follow clock drift (and a client restarted with a new clock on the same connection).
 CLOCK_WINDOW_US = 5_000_000
+BACKLOG_FEW_MSGS = 8  # messages since a backlog began below which a client is not shed for it
 # Under contention (two or more clients with requests in flight for a model) the model's
 # admission capacity is at most this share of what it serves in one SLO at its planned
 # throughput: with that many ahead of it, a new request still makes its SLO.
@@ -624,8 +625,11 @@ class Server:
                 self.epoch_senders += 1
             peer.msgs += 1
             self.epoch_msgs += 1
-            if t - since > behind_us and (self.epoch_senders < 2 or sh.n + len(ids) > fair
-                                          or peer.msgs * self.epoch_senders > self.epoch_msgs):
+            # (a client that sent only a few messages since is not what backs the socket up, even
+            # if it happens to be the first one read in this backlog)
+            flooding = peer.msgs > BACKLOG_FEW_MSGS and (
+                self.epoch_senders < 2 or peer.msgs * self.epoch_senders > self.epoch_msgs)
+            if t - since > behind_us and (flooding or sh.n + len(ids) > fair):
                 self._shed(ident, ids, st, t, "backlog", f"client socket backlogged {(t - since) / 1000:.1f} ms")
                 return
         inflight = st.accepted - st.answered
