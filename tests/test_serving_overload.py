@@ -7,6 +7,7 @@ clock, or by stopping the daemon while a flood queues up."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -194,67 +195,74 @@ def test_max_backlog_config(tmp_path):
         load_config(write_config(tmp_path, plan, profiles, extra="[limits]\nmax_backlog_ms = -1\n"))
 
 
+@contextlib.contextmanager
+def _tiny_cluster(timeout_ms: int, max_backlog_ms: int):
+    """The tiny example on 4 emulated vGPUs in two executor processes, any input size."""
+    with short_tmpdir("ppiped-overload-") as d:
+        d = Path(d)
+        plan, profiles = tiny.write_example(d)
+        cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=timeout_ms,
+                           extra=f"[limits]\nmax_backlog_ms = {max_backlog_ms}\n[models.tiny]\ninput_bytes = 0\n")
+        with LocalCluster(cfg, ((0, 2), (1, 3))) as c:
+            yield c
+
+
 def test_flood_past_the_limit_gets_exactly_one_reply_each():
     """A flood queued while the daemon is stopped: once it runs again, it is behind, sheds whole
     messages ``overloaded`` and serves the others; every request is answered exactly once."""
     n_socks, n_msgs, per_msg = 4, 60, 40
-    with short_tmpdir("ppiped-overload-") as d:
-        d = Path(d)
-        plan, profiles = tiny.write_example(d)
-        cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=2000,
-                           extra="[limits]\nmax_backlog_ms = 1\n[models.tiny]\ninput_bytes = 0\n")
-        with LocalCluster(cfg, ((0, 2), (1, 3))) as c:
-            ctx = zmq.Context()
+    with _tiny_cluster(timeout_ms=2000, max_backlog_ms=1) as c:
+        ctx = zmq.Context()
+        try:
+            socks = []
+            for _ in range(n_socks):
+                s = ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(c.client_endpoint)
+                socks.append(s)
+            for s in socks:  # connected and served before the flood
+                s.send_multipart([wire.submit(tiny.MODEL, 0, [0]), b"warm"])
+                assert s.poll(10_000)
+                s.recv_multipart()
+            os.kill(c.server.pid, signal.SIGSTOP)
             try:
-                socks = []
-                for _ in range(n_socks):
-                    s = ctx.socket(zmq.DEALER)
-                    s.setsockopt(zmq.LINGER, 0)
-                    s.connect(c.client_endpoint)
-                    socks.append(s)
-                for s in socks:  # connected and served before the flood
-                    s.send_multipart([wire.submit(tiny.MODEL, 0, [0]), b"warm"])
-                    assert s.poll(10_000)
-                    s.recv_multipart()
-                os.kill(c.server.pid, signal.SIGSTOP)
-                try:
-                    for k in range(n_msgs):
-                        for s in socks:
-                            ids = list(range(1 + k * per_msg, 1 + (k + 1) * per_msg))
-                            s.send_multipart([wire.submit(tiny.MODEL, 0, ids), *(b"p%d" % i for i in ids)])
-                    time.sleep(0.1)
-                finally:
-                    os.kill(c.server.pid, signal.SIGCONT)
-                want = n_msgs * per_msg
-                answers = [Counter() for _ in socks]
-                outcome: Counter = Counter()
-                end = time.monotonic() + 30
-                while sum(sum(a.values()) for a in answers) < n_socks * want and time.monotonic() < end:
-                    for s, a in zip(socks, answers, strict=True):
-                        while s.poll(0):
-                            m = s.recv_multipart()
-                            h = wire.decode(m[0])
-                            assert h[1] == T.REPLY
-                            a.update(h[2])
-                            outcome[(h[3], h[4])] += len(h[2])
-                            if h[3] == Status.OK:
-                                assert m[1:] == [b"p%d" % i for i in h[2]]  # each its own result
-                    time.sleep(0.005)
-                time.sleep(0.3)  # nothing more may come
+                for k in range(n_msgs):
+                    for s in socks:
+                        ids = list(range(1 + k * per_msg, 1 + (k + 1) * per_msg))
+                        s.send_multipart([wire.submit(tiny.MODEL, 0, ids), *(b"p%d" % i for i in ids)])
+                time.sleep(0.1)
+            finally:
+                os.kill(c.server.pid, signal.SIGCONT)
+            want = n_msgs * per_msg
+            answers = [Counter() for _ in socks]
+            outcome: Counter = Counter()
+            end = time.monotonic() + 30
+            while sum(sum(a.values()) for a in answers) < n_socks * want and time.monotonic() < end:
                 for s, a in zip(socks, answers, strict=True):
                     while s.poll(0):
-                        a.update(wire.decode(s.recv_multipart()[0])[2])
-                for a in answers:
-                    assert set(a) == set(range(1, want + 1)) and set(a.values()) == {1}
-                assert outcome[(Status.REJECTED, wire.OVERLOADED)] > 0
-                assert set(outcome) <= {(Status.OK, ""), (Status.REJECTED, wire.OVERLOADED),
-                                        (Status.DROPPED, wire.DEADLINE)}
-                st = c.status()
-                assert st["counters"]["overloaded"] == outcome[(Status.REJECTED, wire.OVERLOADED)]
-                assert c.server.poll() is None
-                assert "Traceback" not in c.tail("serve.log", 5000)
-            finally:
-                ctx.destroy(0)
+                        m = s.recv_multipart()
+                        h = wire.decode(m[0])
+                        assert h[1] == T.REPLY
+                        a.update(h[2])
+                        outcome[(h[3], h[4])] += len(h[2])
+                        if h[3] == Status.OK:
+                            assert m[1:] == [b"p%d" % i for i in h[2]]  # each its own result
+                time.sleep(0.005)
+            time.sleep(0.3)  # nothing more may come
+            for s, a in zip(socks, answers, strict=True):
+                while s.poll(0):
+                    a.update(wire.decode(s.recv_multipart()[0])[2])
+            for a in answers:
+                assert set(a) == set(range(1, want + 1)) and set(a.values()) == {1}
+            assert outcome[(Status.REJECTED, wire.OVERLOADED)] > 0
+            assert set(outcome) <= {(Status.OK, ""), (Status.REJECTED, wire.OVERLOADED),
+                                    (Status.DROPPED, wire.DEADLINE)}
+            st = c.status()
+            assert st["counters"]["overloaded"] == outcome[(Status.REJECTED, wire.OVERLOADED)]
+            assert c.server.poll() is None
+            assert "Traceback" not in c.tail("serve.log", 5000)
+        finally:
+            ctx.destroy(0)
 
 
 def _submit_as(rig: Rig, sock: zmq.Socket, header: bytes, n: int) -> None:
@@ -341,49 +349,45 @@ def test_polite_client_is_served_beside_a_flooding_one():
     sends a steady trickle with a 5 s SLO: every polite request is answered, at least 99 % OK
     (the issue's bar; a host stall may shrink the admission window below one burst)."""
     n_flood, n_polite = 10_000, 150
-    with short_tmpdir("ppiped-fair-") as d:
-        d = Path(d)
-        plan, profiles = tiny.write_example(d)
-        cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=5000,
-                           extra="[limits]\nmax_backlog_ms = 10000\n[models.tiny]\ninput_bytes = 0\n")
-        with LocalCluster(cfg, ((0, 2), (1, 3))) as c:
-            ctx = zmq.Context()
-            flood_done = threading.Event()
+    with _tiny_cluster(timeout_ms=5000, max_backlog_ms=10000) as c:
+        ctx = zmq.Context()
+        flood_done = threading.Event()
 
-            def flood() -> None:
-                s = ctx.socket(zmq.DEALER)
-                s.setsockopt(zmq.LINGER, 0)
-                s.setsockopt(zmq.SNDHWM, 0)
-                s.connect(c.client_endpoint)
-                for i in range(n_flood):
-                    s.send_multipart([wire.submit(tiny.MODEL, 0, [i]), b"f"])
-                flood_done.wait(60)
-                s.close(0)
+        def flood() -> None:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.connect(c.client_endpoint)
+            for i in range(n_flood):
+                s.send_multipart([wire.submit(tiny.MODEL, 0, [i]), b"f"])
+            flood_done.wait(60)
+            s.close(0)
 
-            async def polite() -> list:
-                async with AsyncClient(c.client_endpoint, timeout_s=30) as ac:
-                    await ac.submit(tiny.MODEL, b"warm", slo_ms=5000)
-                    th = threading.Thread(target=flood)
-                    th.start()
-                    try:
-                        futs = []
-                        for i in range(n_polite):
-                            futs.append(asyncio.ensure_future(ac.submit(tiny.MODEL, b"p%d" % i, slo_ms=5000)))
-                            await asyncio.sleep(0.002)
-                        return await asyncio.gather(*futs, return_exceptions=True)
-                    finally:
-                        flood_done.set()
-                        th.join()
+        async def polite() -> list:
+            async with AsyncClient(c.client_endpoint, timeout_s=30) as ac:
+                await ac.submit(tiny.MODEL, b"warm", slo_ms=5000)
+                th = threading.Thread(target=flood)
+                th.start()
+                try:
+                    futs = []
+                    for i in range(n_polite):
+                        futs.append(asyncio.ensure_future(ac.submit(tiny.MODEL, b"p%d" % i, slo_ms=5000)))
+                        await asyncio.sleep(0.002)
+                    return await asyncio.gather(*futs, return_exceptions=True)
+                finally:
+                    flood_done.set()
+                    th.join()
 
-            try:
-                outs = asyncio.run(polite())
-                st = c.status()
-                why = (Counter(getattr(o, "reason", type(o).__name__) for o in outs), st["counters"])
-                assert all(isinstance(o, Result | RequestError) for o in outs), why  # none timed out
-                ok = [(i, o) for i, o in enumerate(outs) if isinstance(o, Result)]
-                assert len(ok) >= 0.99 * n_polite, why
-                assert all(o.data == b"p%d" % i for i, o in ok)
-                assert st["counters"].get("shed_share", 0) > 0  # the flooder was held to its share
-                assert c.server.poll() is None
-            finally:
-                ctx.destroy(0)
+        try:
+            outs = asyncio.run(polite())
+            st = c.status()
+            why = (Counter(getattr(o, "reason", type(o).__name__) for o in outs), st["counters"])
+            assert all(isinstance(o, Result | RequestError) for o in outs), why  # none timed out
+            ok = [(i, o) for i, o in enumerate(outs) if isinstance(o, Result)]
+            assert len(ok) >= 0.99 * n_polite, why
+            assert all(o.data == b"p%d" % i for i, o in ok)
+            assert st["counters"].get("shed_share", 0) > 0  # the flooder was held to its share
+            assert c.server.poll() is None
+        finally:
+            ctx.destroy(0)
+

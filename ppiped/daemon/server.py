@@ -625,10 +625,10 @@ class Server:
                 self.epoch_senders += 1
             peer.msgs += 1
             self.epoch_msgs += 1
-            # (a client that sent only a few messages since is not what backs the socket up, even
-            # if it happens to be the first one read in this backlog)
-            flooding = peer.msgs > BACKLOG_FEW_MSGS and (
-                self.epoch_senders < 2 or peer.msgs * self.epoch_senders > self.epoch_msgs)
+            # (a client alone is shed as before; beside others, one that sent only a few
+            # messages since is not what backs the socket up, even if it is read first)
+            flooding = (self.epoch_senders < 2 and n_clients < 2) or (
+                peer.msgs > BACKLOG_FEW_MSGS and peer.msgs * self.epoch_senders > self.epoch_msgs)
             if t - since > behind_us and (flooding or sh.n + len(ids) > fair):
                 self._shed(ident, ids, st, t, "backlog", f"client socket backlogged {(t - since) / 1000:.1f} ms")
                 return
