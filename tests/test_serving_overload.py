@@ -186,6 +186,20 @@ def test_client_surfaces_overloaded_as_rejected():
     assert isinstance(e, Rejected) and e.reason == "overloaded"
 
 
+def test_scheduler_rooms_are_configurable_and_checked(tmp_path):
+    from ppiped.commands.serve import load_serving
+
+    plan, profiles = tiny.write_example(tmp_path)
+    cfg = load_config(write_config(tmp_path, plan, profiles,
+                                   scheduler={"policy": "pard", "class_room": 0.1, "pressure_room": 0.3}))
+    srv = S.Server(cfg, *load_serving(cfg))
+    assert srv.core_kw["class_room"] == 0.1 and srv.core_kw["pressure_room"] == 0.3
+    assert srv.core.policy.name == "pard"
+    cfg = load_config(write_config(tmp_path, plan, profiles, scheduler={"class_room": 1.5}))
+    with pytest.raises(ConfigError, match="scheduler: class_room and pressure_room must be within"):
+        S.Server(cfg, *load_serving(cfg))
+
+
 def test_max_backlog_config(tmp_path):
     plan, profiles = tiny.write_example(tmp_path)
     assert load_config(write_config(tmp_path, plan, profiles)).max_backlog_ms == 25.0

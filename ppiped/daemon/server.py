@@ -209,9 +209,9 @@ class Server:
         policy = opts.pop("policy", "ppipe")
         if policy == "reactive":
             raise ConfigError(f"{cfg.source}: scheduler.policy: the daemon runs the reservation "
-                              "policies (ppipe, ppipe-early-drop); 'reactive' is simulator-only")
+                              "policies (ppipe, pard, ppipe-early-drop); 'reactive' is simulator-only")
         kw = {}
-        for k in ("min_wait_us", "wait_guard_us"):
+        for k in ("min_wait_us", "wait_guard_us", "class_room", "pressure_room"):
             if k in opts:
                 v = opts.pop(k)
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
@@ -224,7 +224,7 @@ class Server:
                                     for s in [cfg.executor_defaults, *cfg.executors.values()])
         if opts:
             raise ConfigError(f"{cfg.source}: scheduler: unknown key(s) {', '.join(sorted(opts))} "
-                              "(known: policy, min_wait_us, wait_guard_us)")
+                              "(known: policy, min_wait_us, wait_guard_us, class_room, pressure_room)")
         self.policy_name, self.core_kw, self.profiles = policy, kw, profiles
         try:
             self.core = Scheduler(plan, profiles, policy=policy, **kw)
