@@ -135,19 +135,16 @@ class CtlServer:
 def status(srv: Server) -> dict[str, Any]:
     """What an operator looks at first: plan version, per-model rate and attainment, queue, executors."""
     models = {}
-    up = max((now_us() - srv.started) / 1e6, 1e-9)
+    up = (now_us() - srv.started) / 1e6
     for i, m in enumerate(srv.model_names):
         s = srv.stats[i]
         dropped = sum(s.dropped.values())
         answered = s.ok + dropped
-        good = s.ok - s.ok_late
         models[m] = {"rate_rps": round(srv.rates.rates[i], 2), "weight": srv.plan.model(m).weight,
                      "slo_ms": srv.slo_us[i] / 1000, "accepted": s.accepted, "ok": s.ok, "late": s.ok_late,
                      "dropped": dropped, "rejected": sum(s.rejected.values()),
-                     "attainment": good / answered if answered else 1.0, "queued": srv.core.pending(i),
-                     "goodput_rps": good / up, "drop_rate": dropped / s.accepted if s.accepted else 0.0,
-                     "invalid_rate": s.invalid_us / s.gpu_us if s.gpu_us else 0.0,
-                     "high": {"accepted": s.high[0], "ok_in_slo": s.high[1], "dropped": s.high[2]}}
+                     "attainment": (s.ok - s.ok_late) / answered if answered else 1.0,
+                     "queued": srv.core.pending(i), **s.outcomes(up)}
     alive = srv.alive_vgpus()
     return {"plan_version": srv.plan_version, "plan": srv.plan.source, "uptime_s": (now_us() - srv.started) / 1e6,
             "state": "holding" if srv.holding else ("draining" if srv.draining else "serving"),

@@ -200,6 +200,14 @@ class ModelStats:
         self.was_late = False  # the previous interval was late
         self.clients = 0  # clients with requests in flight (fair admission shares them the window)
 
+    def outcomes(self, up_s: float) -> dict[str, Any]:
+        """The figures both status views show: goodput over ``up_s`` seconds, drop rate, invalid
+        rate (GPU time of answers late or failed after starting) and the high class's counts."""
+        return {"goodput_rps": (self.ok - self.ok_late) / max(up_s, 1e-9),
+                "drop_rate": sum(self.dropped.values()) / self.accepted if self.accepted else 0.0,
+                "invalid_rate": self.invalid_us / self.gpu_us if self.gpu_us else 0.0,
+                "high": {"accepted": self.high[0], "ok_in_slo": self.high[1], "dropped": self.high[2]}}
+
 
 class Server:
     def __init__(self, cfg: ServeConfig, plan: Plan, profiles: dict[str, Profile]) -> None:
@@ -769,14 +777,19 @@ class Server:
         by: dict[bytes, list[int]] = defaultdict(list)
         for r in reqs:
             by[r.ident].append(r.cid)
-            st = self.stats[r.model]
-            st.dropped[reason] += 1
-            st.answered += 1
-            r.share.done()
-            if r.prio:
-                st.high[2] += 1
+            self._end_unserved(r, self.stats[r.model].dropped, reason)
         for ident, cids in by.items():
             send_parts(self.client, [ident, wire.reply(cids, Status.DROPPED, reason)])
+
+    def _end_unserved(self, r: Req, outcomes: dict[str, int], reason: str) -> None:
+        """Count accepted request ``r`` answered without a result (``outcomes``: the model's
+        dropped or rejected counts): answered, its client's share given back, the high class."""
+        st = self.stats[r.model]
+        outcomes[reason] += 1
+        st.answered += 1
+        r.share.done()
+        if r.prio:
+            st.high[2] += 1
 
     def after_clients(self) -> None:
         due = self._burst_start
@@ -814,12 +827,7 @@ class Server:
                 if r is None:
                     continue
                 reason = wire.EXECUTOR_LOST if r.retried else DROP_REASONS.get(w, wire.DEADLINE)
-                st = self.stats[r.model]
-                st.dropped[reason] += 1
-                st.answered += 1
-                r.share.done()
-                if r.prio:
-                    st.high[2] += 1
+                self._end_unserved(r, self.stats[r.model].dropped, reason)
                 by[(r.ident, reason)].append(r.cid)
             for (ident, reason), cids in by.items():
                 send_parts(self.client, [ident, wire.reply(cids, Status.DROPPED, reason)])
@@ -1207,17 +1215,13 @@ class Server:
                 r = b.reqs.pop(failed[i], None)
                 if r is None:
                     continue
-                r.share.done()
                 st.gpu_us += per
                 st.invalid_us += per
-                if r.prio:
-                    st.high[2] += 1
                 text = str(failed[i + 1])
                 code = text.split(":", 1)[0]
                 status = Status.REJECTED if code == wire.BAD_INPUT else Status.DROPPED
                 reason = wire.BAD_INPUT if status == Status.REJECTED else code
-                (st.rejected if status == Status.REJECTED else st.dropped)[reason] += 1
-                st.answered += 1
+                self._end_unserved(r, st.rejected if status == Status.REJECTED else st.dropped, reason)
                 send_parts(self.client, [r.ident, wire.reply([r.cid], status, reason, text)])
         if not b.reqs:
             b.answered = True
@@ -1405,14 +1409,11 @@ class Server:
         lay = self.layout
         t = now_us()
         models = {}
+        up = (t - self.started) / 1e6
         for i, m in enumerate(self.model_names):
             s = self.stats[i]
-            up = max((t - self.started) / 1e6, 1e-9)
             models[m] = {"slo_ms": self.slo_us[i] / 1000, "accepted": s.accepted, "ok": s.ok,
-                         "ok_late": s.ok_late, "goodput_rps": (s.ok - s.ok_late) / up,
-                         "drop_rate": sum(s.dropped.values()) / s.accepted if s.accepted else 0.0,
-                         "invalid_rate": s.invalid_us / s.gpu_us if s.gpu_us else 0.0,
-                         "high": {"accepted": s.high[0], "ok_in_slo": s.high[1], "dropped": s.high[2]},
+                         "ok_late": s.ok_late, **s.outcomes(up),
                          "dropped": dict(s.dropped), "rejected": dict(s.rejected),
                          "in_flight": s.accepted - s.answered, "clients": s.clients,
                          "limit": s.limit if math.isfinite(s.limit) else None,
