@@ -14,9 +14,12 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .cluster import Cluster, ClusterError, cluster_from_json
+
+if TYPE_CHECKING:
+    from .query.app import App
 from .profiles import Profile
 from .readfile import read_json
 
@@ -90,6 +93,7 @@ class Plan:
     algo: str = ""
     solver: dict[str, Any] = field(default_factory=dict)
     source: str = "<memory>"
+    apps: list[App] = field(default_factory=list)  # multi-model queries over the plan's models
 
     def model(self, name: str) -> ModelPlan:
         for m in self.models:
@@ -113,6 +117,7 @@ class Plan:
             "objective": {"normalized_throughput": self.normalized_throughput},
             "solver": self.solver,
             "models": models,
+            **({"apps": [a.to_json() for a in self.apps]} if self.apps else {}),
         }
 
 
@@ -371,7 +376,22 @@ def plan_from_json(d: Any, source: str = "<memory>") -> Plan:
         if isinstance(e, PlanError):
             raise
         raise PlanError(f"{source}: malformed value: {e}") from None
-    return Plan(cluster, params, models, obj, str(d.get("algo", "")), dict(d.get("solver", {})), source)
+    plan = Plan(cluster, params, models, obj, str(d.get("algo", "")), dict(d.get("solver", {})), source)
+    if d.get("apps"):
+        from .errors import InputError
+        from .query.app import apps_from_json
+
+        try:
+            plan.apps = apps_from_json(d["apps"], source)
+        except InputError as e:
+            raise PlanError(str(e)) from None
+        names = {m.model for m in plan.models}
+        for a in plan.apps:
+            missing = [s.model for s in a.stages if s.model not in names]
+            if missing:
+                raise PlanError(f"{source}: app {a.name!r} names model(s) the plan does not serve: "
+                                f"{', '.join(missing)}")
+    return plan
 
 
 _REF_NAME = re.compile(

@@ -359,6 +359,12 @@ class Scheduler:
         path = [int(x) for x in self._arena.view("pr_vg")[0, :n]] if f < np.inf else []
         return float(f), float(w), path
 
+    def stage_estimate_us(self, model: int, now_us: float, n: int = 1) -> float:
+        """µs from ``now_us`` until ``n`` new requests of ``model`` could be done (best pipeline's
+        probe, behind what is already queued for it): what a query's upstream stage leaves for
+        this one when it schedules against the query's deadline."""
+        return float(K.stage_estimate_entry(self._A, model, n, now_us))
+
     def table(self, resource: int) -> list[tuple[float, float, int]]:
         """Live intervals ``(start, end, handle)`` of one resource, in order."""
         lo, hi = int(self._arena.view("t_lo")[resource]), int(self._arena.view("t_hi")[resource])
