@@ -223,6 +223,7 @@ def check(plan: Plan, profiles: dict[str, Profile], cluster: Cluster | None = No
     out: list[Violation] = []
     pools: list[tuple[str, int, str, float]] = []
     model_ratios = []
+    staged = {s.model for a in plan.apps for s in a.stages}  # an app stage's SLO is its budget
     for m in plan.models:
         V = lambda rule, msg, pi=None, qi=None, _m=m.model: out.append(Violation(rule, msg, _m, pi, qi))  # noqa: E731
         prof = profiles.get(m.model)
@@ -232,7 +233,7 @@ def check(plan: Plan, profiles: dict[str, Profile], cluster: Cluster | None = No
         if m.weight <= 0:
             V("weight", f"weight must be positive, got {m.weight}")
         slo_ref = model_slo_us(prof, pr)
-        if slo_ref is not None and _over(m.slo_us, slo_ref):
+        if slo_ref is not None and m.model not in staged and _over(m.slo_us, slo_ref):
             V("slo", f"slo_us {m.slo_us:.1f} exceeds {pr.slo_scale} x whole-model "
               f"{pr.slo_reference_gpu} latency = {slo_ref:.1f}")
         margin = slo_margin_us(m.slo_us, pr.slo_margin)
@@ -316,9 +317,36 @@ def check(plan: Plan, profiles: dict[str, Profile], cluster: Cluster | None = No
             detail = ", ".join(f"{'/'.join(map(str, k))}: {n}" for k, n in use["groups"].items())
             out.append(Violation("gpu-budget", f"{use['total']} {g} GPUs used, rounded up {rule} "
                                  f"({detail}); cluster has {cl.gpus[g].count}"))
+    out.extend(_check_apps(plan))
     if model_ratios and _over(plan.normalized_throughput, min(model_ratios)):
         out.append(Violation("throughput-inflated", f"objective {plan.normalized_throughput:.3f} "
                              f"exceeds min weighted model throughput {min(model_ratios):.3f}"))
+    return out
+
+
+def _check_apps(plan: Plan) -> list[Violation]:
+    """An app's stages are planned models whose SLO is the stage's budget, and the budgets plus
+    glue fit the app's SLO on every path (else its deadlines could not all be met)."""
+    out: list[Violation] = []
+    names = {m.model: m for m in plan.models}
+    for a in plan.apps:
+        w = f"app {a.name!r}"
+        if not a.split_done:
+            out.append(Violation("app-split", f"{w}: its SLO is not split (a stage has no budget)"))
+            continue
+        for s in a.stages:
+            m = names.get(s.model)
+            if m is None:
+                out.append(Violation("app-model", f"{w}, stage {s.name!r}: model {s.model!r} is not in the plan"))
+            elif not _close(m.slo_us, s.budget_us, ABS_TOL_US):
+                out.append(Violation("app-budget", f"{w}, stage {s.name!r}: the model's slo_us {m.slo_us:.1f} "
+                                     f"is not the stage budget {s.budget_us:.1f}", s.model))
+        for p in a.paths():
+            end = a.end_us(p[-1])
+            if _over(end, a.slo_us):
+                path = " -> ".join(a.stages[j].name for j in p)
+                out.append(Violation("app-slo", f"{w}: budgets on the path {path} plus {len(p) - 1} glue "
+                                     f"step(s) take {end / 1e3:.3f} ms, over the SLO of {a.slo_us / 1e3:.3f} ms"))
     return out
 
 
@@ -531,7 +559,37 @@ def format_plan_table(plan: Plan) -> str:
         lines.append(f"{m.model}: {m.throughput_rps:.1f} rps, weight {m.weight:g}, "
                      f"{m.throughput_rps / m.weight:.1f} rps/weight")
     lines.append(f"objective (min throughput/weight): {plan.normalized_throughput:.2f}")
-    if plan.solver:
+    solver = {k: v for k, v in plan.solver.items() if k != "apps"}  # apps: their own table
+    if solver:
         lines.append("solver: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                            for k, v in plan.solver.items()))
+                                            for k, v in solver.items()))
+    if plan.apps:
+        lines.append("")
+        lines.append(format_apps_table(plan))
+    return "\n".join(lines)
+
+
+def format_apps_table(plan: Plan) -> str:
+    """The apps' SLO split: one row per stage, with its planned throughput per query."""
+    rows = [("app", "split", "stage", "model", "after", "fan-out", "rate x", "budget ms", "share",
+             "slo ms", "rps", "queries/s")]
+    served = {m.model: m.throughput_rps for m in plan.models}
+    for a in plan.apps:
+        for i, s in enumerate(a.stages):
+            rf = a.rate_factor(i)
+            x = served.get(s.model)
+            rows.append((a.name if i == 0 else "", a.split if i == 0 else "", s.name, s.model[:28],
+                         a.stages[s.parent].name if s.parent >= 0 else "-", f"{s.fanout:g}", f"{rf:g}",
+                         f"{s.budget_us / 1e3:.1f}", f"{s.budget_us / a.slo_us:.0%}",
+                         f"{a.slo_us / 1e3:.1f}" if i == 0 else "",
+                         "-" if x is None else f"{x:.1f}", "-" if x is None else f"{x / rf:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for a in plan.apps:
+        q = min((served[s.model] / a.rate_factor(i) for i, s in enumerate(a.stages) if s.model in served),
+                default=0.0)
+        glue = f", glue {a.glue_us / 1e3:g} ms per step" if a.glue_us else ""
+        lines.append(f"app {a.name}: {q:.1f} queries/s (its slowest stage per query), "
+                     f"weight {a.weight:g}{glue}")
     return "\n".join(lines)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import time
 
 from ..cluster import cluster_from_flags, load_cluster
 from ..errors import InputError
-from ..plan import PlanParams, check, format_plan_table, save_plan
-from ..profiles import load_profiles
+from ..plan import Plan, PlanParams, check, format_plan_table, save_plan
+from ..profiles import ProfileError, load_profiles
 
 
 def _floats(s: str | None, flag: str) -> list[float] | None:
@@ -26,8 +27,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Choose partitions, vGPU pools and batch sizes that maximise the "
                        "worst model's throughput/weight under the SLOs (PPipe's MILP, NP or DART-r).")
     p.add_argument("--profiles", required=True, help="directory of ppiped-profile/1 files")
-    p.add_argument("--models", required=True, help="comma-separated model names")
+    p.add_argument("--models", help="comma-separated model names (optional with --apps)")
     p.add_argument("--weights", help="comma-separated load weights, one per model (default: equal)")
+    a = p.add_argument_group("apps (multi-model queries with one end-to-end SLO)")
+    a.add_argument("--apps", metavar="FILE",
+                   help="TOML or JSON file of [[apps]] (name, slo_ms, weight, glue_ms, [[apps.stages]]: "
+                   "name, model, after, fanout, glue, budget_ms); their stages are planned beside --models")
+    a.add_argument("--split", choices=("dp", "even", "fixed"), default="dp",
+                   help="how each app's SLO is split across its stages: dp (Nexus's DP over a 5%% grid, "
+                   "default), even (in proportion to each stage's latency), fixed (the file's budget_ms)")
     g = p.add_argument_group("cluster (a TOML spec, or the flags)")
     g.add_argument("--cluster", help="cluster spec TOML")
     g.add_argument("--gpus", help="GPU types and counts, e.g. L4:25,P4:75")
@@ -72,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
         cluster = cluster_from_flags(args.gpus, args.gpus_per_server, args.vgpu_splits, args.nic_gbps)
     else:
         raise InputError("give the cluster: --cluster FILE.toml, or --gpus NAME:COUNT,...")
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    models = [m.strip() for m in (args.models or "").split(",") if m.strip()]
+    if not models and not args.apps:
+        raise InputError("give the models to plan: --models NAME,... and/or --apps FILE")
     weights = _floats(args.weights, "--weights") or [1.0] * len(models)
     rates = _floats(args.batch_delay_rate, "--batch-delay-rate")
     slo_ms = _floats(args.slo_ms, "--slo-ms")
@@ -82,19 +92,54 @@ def run(args: argparse.Namespace) -> int:
         slo_scale=None if slo_ms else args.slo_scale,
         slo_reference_gpu=None if slo_ms else args.slo_reference_gpu,
     )
-    profiles = load_profiles(args.profiles, models)
+    profiles = load_profiles(args.profiles, models) if models else {}
     slos = [x * 1e3 for x in slo_ms] if slo_ms else None
+    if args.apps:
+        return _run_apps(args, cluster, params, profiles, models, weights, rates, slos)
+    plan = _solve(args, profiles, models, weights, cluster, params, rates, slos, args.time_limit)
+    return _report(args, plan, profiles)
+
+
+def _solve(args: argparse.Namespace, profiles, models, weights, cluster, params, rates, slos,
+           time_limit: float) -> Plan:
     if args.subprocess:
         from ..planner.solve import make_request, plan_in_subprocess
 
-        req = make_request(profiles, models, weights, cluster, params, args.algo, args.time_limit,
+        req = make_request(profiles, models, weights, cluster, params, args.algo, time_limit,
                            rates, args.threads, slos, args.mip_gap)
-        plan = plan_in_subprocess(req)
-    else:
-        from ..planner import plan_cluster
+        return plan_in_subprocess(req)
+    from ..planner import plan_cluster
 
-        plan = plan_cluster(profiles, models, weights, cluster, params, args.algo, args.time_limit,
-                            rates, args.threads, slos, args.mip_gap)
+    return plan_cluster(profiles, models, weights, cluster, params, args.algo, time_limit,
+                        rates, args.threads, slos, args.mip_gap)
+
+
+def _run_apps(args: argparse.Namespace, cluster, params: PlanParams, profiles: dict, models: list[str],
+              weights: list[float], rates: list[float] | None, slos: list[float] | None) -> int:
+    """Plan the apps' stages (their SLO split first) beside the plain models."""
+    from ..query.split import attach_split, load_apps, split_apps
+
+    if rates is not None:
+        raise InputError("--batch-delay-rate is not taken with --apps: the rates come from the NP plan")
+    if slos is not None and len(slos) != len(models):
+        raise InputError(f"--slo-ms: {len(models)} models but {len(slos)} SLOs (the apps' SLOs come "
+                         "from the apps file)")
+    apps = load_apps(args.apps)
+    for a in apps:
+        for s in a.stages:
+            if s.model not in profiles:
+                try:
+                    profiles.update(load_profiles(args.profiles, [s.model]))
+                except ProfileError as e:
+                    raise InputError(f"{args.apps}: app {a.name!r}, stage {s.name!r}: {e}") from None
+    t0 = time.perf_counter()
+    sp = split_apps(profiles, apps, cluster, params, args.algo, args.split, models, weights, slos)
+    left = max(0.5, args.time_limit - (time.perf_counter() - t0))
+    plan = _solve(args, profiles, sp.models, sp.weights, cluster, params, None, sp.slos_us, left)
+    return _report(args, attach_split(plan, sp), profiles)
+
+
+def _report(args: argparse.Namespace, plan, profiles) -> int:
     violations = check(plan, profiles)
     if args.output:
         save_plan(plan, args.output)
