@@ -147,6 +147,36 @@ def test_apps_beside_plain_models_share_one_objective():
         min(m.throughput_rps / m.weight for m in plan.models))
 
 
+def test_the_dp_finds_the_cheapest_split_that_fits_every_path():
+    """Against brute force over every grid assignment, on random non-increasing costs."""
+    import itertools
+    import math
+
+    from ppiped.query.split import _dp
+
+    app, steps = tree_app(), 10
+    u = app.slo_us / steps
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        costs = []
+        for _ in app.stages:
+            c = np.sort(rng.uniform(0.1, 5.0, steps))[::-1].tolist()
+            for k in range(int(rng.integers(0, 4))):
+                c[k] = math.inf  # too small a budget for the stage
+            costs.append(c)
+        best = math.inf
+        for ks in itertools.product(range(1, steps + 1), repeat=len(app.stages)):
+            if all(sum(ks[j] for j in p) * u + app.glue_us * (len(p) - 1) <= app.slo_us for p in app.paths()):
+                best = min(best, sum(app.rate_factor(i) * costs[i][k - 1] for i, k in enumerate(ks)))
+        ks, obj = _dp(app, costs, steps)
+        if math.isinf(best):
+            assert ks is None
+            continue
+        assert obj == pytest.approx(best)
+        assert sum(app.rate_factor(i) * costs[i][k - 1] for i, k in enumerate(ks)) == pytest.approx(best)
+        assert all(sum(ks[j] for j in p) * u + app.glue_us * (len(p) - 1) <= app.slo_us for p in app.paths())
+
+
 # --- what no plan can serve -----------------------------------------------------------------
 
 
@@ -285,6 +315,12 @@ def test_cli_bad_apps_files_exit_2_with_the_reason(profile_dir, tmp_path, capsys
     assert cli(_plan_cmd(profile_dir, f, "--models", "other")) == 2
     err = capsys.readouterr().err
     assert "ppiped plan: error:" in err and why in err
+
+
+def test_cli_split_needs_apps(profile_dir, capsys):
+    args = ["plan", "--profiles", str(profile_dir), "--gpus", "A:4", "--models", "other", "--split", "even"]
+    assert cli(args) == 2
+    assert "give --apps FILE" in capsys.readouterr().err
 
 
 def test_cli_reads_json_apps_files(profile_dir, tmp_path, capsys):

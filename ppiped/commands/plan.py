@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--apps", metavar="FILE",
                    help="TOML or JSON file of [[apps]] (name, slo_ms, weight, glue_ms, [[apps.stages]]: "
                    "name, model, after, fanout, glue, budget_ms); their stages are planned beside --models")
-    a.add_argument("--split", choices=("dp", "even", "fixed"), default="dp",
+    a.add_argument("--split", choices=("dp", "even", "fixed"),
                    help="how each app's SLO is split across its stages: dp (Nexus's DP over a 5%% grid, "
                    "default), even (in proportion to each stage's latency), fixed (the file's budget_ms)")
     g = p.add_argument_group("cluster (a TOML spec, or the flags)")
@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     )
     profiles = load_profiles(args.profiles, models) if models else {}
     slos = [x * 1e3 for x in slo_ms] if slo_ms else None
+    if args.split and not args.apps:
+        raise InputError("--split splits the apps' SLOs: give --apps FILE")
     if args.apps:
         return _run_apps(args, cluster, params, profiles, models, weights, rates, slos)
     plan = _solve(args, profiles, models, weights, cluster, params, rates, slos, args.time_limit)
@@ -133,7 +135,8 @@ def _run_apps(args: argparse.Namespace, cluster, params: PlanParams, profiles: d
                 except ProfileError as e:
                     raise InputError(f"{args.apps}: app {a.name!r}, stage {s.name!r}: {e}") from None
     t0 = time.perf_counter()
-    sp = split_apps(profiles, apps, cluster, params, args.algo, args.split, models, weights, slos)
+    sp = split_apps(profiles, apps, cluster, params, args.algo, args.split or "dp", models, weights,
+                    slos)
     left = max(0.5, args.time_limit - (time.perf_counter() - t0))
     plan = _solve(args, profiles, sp.models, sp.weights, cluster, params, None, sp.slos_us, left)
     return _report(args, attach_split(plan, sp), profiles)
