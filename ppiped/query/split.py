@@ -236,7 +236,7 @@ def _stage_miss(profile, app: App, i: int, cluster, params, algo, budget_us, wha
     fast = _fastest_us(profile, cluster)
     need = fast / (1 - params.slo_margin) if params.slo_margin < 1 else math.inf
     return (f"app {app.name!r}, stage {s.name!r} (model {s.model}): no {algo} pipeline meets {what} "
-            f"of {budget_us / 1e3:.1f} ms ({latency_budget_us(budget_us, params) / 1e3:.1f} ms after the "
+            f"({budget_us / 1e3:.1f} ms; {latency_budget_us(budget_us, params) / 1e3:.1f} ms after the "
             f"{params.slo_margin:.0%} SLO margin) within the app's SLO of {app.slo_us / 1e3:.1f} ms; the "
             f"fastest whole GPU of this cluster takes {fast / 1e3:.1f} ms at batch size 1, so the stage "
             f"needs a budget of at least {need / 1e3:.1f} ms")
@@ -367,7 +367,7 @@ def _dp_failure(profiles, app: App, costs, steps, cluster, params, algo) -> str:
         kmax = math.floor((app.slo_us - app.glue_us * (len(longest) - 1)) / u + 1e-6) - (len(longest) - 1)
         if kmax < 1 or not math.isfinite(costs[i][kmax - 1]):
             return _stage_miss(profiles[s.model], app, i, cluster, params, algo, max(kmax, 0) * u,
-                               f"even the largest grid budget its path {_path_name(app, longest)} leaves it")
+                               f"the largest grid budget its path {_path_name(app, longest)} leaves it")
         kmin.append(next(k for k in range(1, steps + 1) if math.isfinite(costs[i][k - 1])))
     for p in paths:
         need = sum(kmin[j] for j in p) * u + app.glue_us * (len(p) - 1)
