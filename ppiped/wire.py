@@ -35,6 +35,8 @@ class T(IntEnum):
     ERROR = 3  # any   code, message (the message could not be tied to request ids)
     PING = 4  # C→S    token
     PONG = 5  # S→C    token, info (dict: models, SLOs, limits)
+    QUERY = 6  # C→S   app, slo_us (0: the app's), qid[, stages[, priority[, sent_us]]] + one frame
+    ANSWER = 7  # S→C  qid, status, reason, stage, detail, outputs        + one frame per output
     REGISTER = 16  # E→S  vgpus, data_endpoint, backend, pid, clock_us, incarnation
     WELCOME = 17  # S→E   assignments (one list per vGPU, see Assignment), heartbeat_ms
     PEERS = 18  # S→E     directory: flat [vgpu, endpoint, ...] of every registered vGPU
@@ -76,6 +78,12 @@ UNREGISTERED = "unregistered"  # an executor spoke before registering (scheduler
 DAEMON_RESTARTED = "daemon-restarted"  # client side: the scheduler restarted and lost the request
 DAEMON_UNREACHABLE = "daemon-unreachable"  # client side: the scheduler stopped answering pings
 VGPU_TAKEN = "vgpu-taken"  # another live executor serves that vGPU: retry (it may be about to die)
+# Reasons only a query (QUERY/ANSWER) ends with; the others above apply to its stages too.
+UNKNOWN_APP = "unknown-app"
+GLUE_ERROR = "glue-error"  # a glue callable raised, returned something unusable, or its worker died
+GLUE_TIMEOUT = "glue-timeout"  # a glue call ran past glue.timeout_ms (its worker is replaced)
+FAILED = "failed"  # an executor could not run a stage request
+EARLY_DROP = "early-drop"  # the policy dropped a stage request early (its path cannot finish in time)
 
 
 class ProtocolError(ValueError):
@@ -139,6 +147,10 @@ SCHEMAS: dict[int, tuple[Field, ...]] = {
     T.ERROR: (("code", _str), ("message", _str)),
     T.PING: (("token", _any),),
     T.PONG: (("token", _any), ("info", _dict)),
+    T.QUERY: (("app", _str), ("slo_us", _uint), ("qid", _uint), ("stages", _uint), ("priority", _uint),
+              ("sent_us", _uint)),
+    T.ANSWER: (("qid", _uint), ("status", _uint), ("reason", _str), ("stage", _str), ("detail", _str),
+               ("outputs", _list)),
     T.REGISTER: (("vgpus", _uints), ("data_endpoint", _str), ("backend", _str), ("pid", _uint),
                  ("clock_us", _int), ("incarnation", _uint)),
     T.WELCOME: (("assignments", _list), ("heartbeat_ms", _uint)),
@@ -158,7 +170,7 @@ SCHEMAS: dict[int, tuple[Field, ...]] = {
 # trailing fields a sender may leave out, with the value they then take (older clients send
 # SUBMIT without a priority: the low class; without sent_us, the client's monotonic clock in µs
 # when it sent the message: 0, unknown, and the SLO clock starts when the scheduler reads it)
-OPTIONAL: dict[int, tuple[Any, ...]] = {T.SUBMIT: (0, 0)}
+OPTIONAL: dict[int, tuple[Any, ...]] = {T.SUBMIT: (0, 0), T.QUERY: (0, 0, 0)}
 PRIORITIES = 2  # SUBMIT.priority: 0 low, 1 high
 FEEDBACK_STRIDE = 6
 
@@ -195,6 +207,21 @@ def decode(frame: Any) -> list:
     return h
 
 
+def query_id(frame: Any) -> int | None:
+    """The ``qid`` of a QUERY header that failed :func:`decode`, if it can be read (so the error
+    is answered to that query); None otherwise."""
+    buf = getattr(frame, "buffer", frame)
+    if len(buf) > MAX_HEADER_BYTES:
+        return None
+    try:
+        h = msgpack.unpackb(buf, use_list=True, raw=False)
+    except Exception:  # noqa: BLE001 - not msgpack at all
+        return None
+    if type(h) is list and len(h) >= 5 and h[0] == VERSION and h[1] == T.QUERY and _uint(h[4]):
+        return h[4]
+    return None
+
+
 def expect_frames(h: list, n_frames: int, wanted: int) -> None:
     """Raise unless a message carries exactly ``wanted`` payload frames."""
     if n_frames != wanted:
@@ -224,6 +251,28 @@ def submit(model: str, slo_us: int, ids: Sequence[int], priority: int = 0, sent_
 
 def reply(ids: Sequence[int], status: int, reason: str = "", meta: Any = None) -> bytes:
     return _pack([VERSION, T.REPLY, ids, status, reason, meta])
+
+
+def query(app: str, slo_us: int, qid: int, stages: bool = False, priority: int = 0, sent_us: int = 0) -> bytes:
+    """One query of an app (a tree of models): ``stages`` asks for every stage's outputs, not only
+    the leaves'; ``priority`` and ``sent_us`` as SUBMIT's. Exactly one ANSWER with ``qid`` follows."""
+    return _pack([VERSION, T.QUERY, app, slo_us, qid, int(stages), priority, sent_us])
+
+
+def answer(qid: int, status: int, reason: str = "", stage: str = "", detail: str = "",
+           outputs: Sequence[list] = ()) -> bytes:
+    """A query's one reply. OK: ``outputs`` describes the payload frames that follow, one entry
+    ``[stage, key, final, meta]`` per frame (see :func:`output_entry`); otherwise ``reason`` (a
+    stable code) and ``stage`` (the stage it failed at; "" when the query never started) say why."""
+    return _pack([VERSION, T.ANSWER, qid, status, reason, stage, detail, list(outputs)])
+
+
+def output_entry(stage: str, key: Sequence[int], final: bool, meta: Any) -> list:
+    """One output of a query's ANSWER. ``key`` places the stage request in the query's tree: the
+    root's is ``[]``, and the j-th input that a glue call made of request ``k`` is ``k + [j]``.
+    Entries come ordered by stage (as the app lists them), then by key; ``final``: a leaf stage's
+    output (what the query returns); the others are sent only when QUERY asked for ``stages``."""
+    return [stage, list(key), final, meta]
 
 
 def error(code: str, message: str) -> bytes:

@@ -23,6 +23,10 @@ from ..readfile import read_toml
 from ..security import KeyFileError, Security, load_keypair, load_public_keys
 
 BACKENDS = ("emulate", "ort", "trt", "torch")
+# scheduler.app_deadlines (ppiped.query.app.MODES): e2e (PARD: every stage works to the query's
+# deadline less its downstream path's estimate), split (Nexus: per-stage budgets of the plan's SLO
+# split), chain (each stage's budget from when its request is submitted, as hand-chaining does)
+APP_DEADLINES = ("e2e", "split", "chain")
 
 
 class ConfigError(InputError):
@@ -99,6 +103,10 @@ class ServeConfig:
     io_cpus: tuple[int, ...] = ()  # CPUs of ZeroMQ's I/O threads (empty: the process's)
     io_threads: int = 1  # ZeroMQ I/O threads
     security: Security = field(default_factory=Security)  # [security]: CURVE keys and allow-lists
+    app_deadlines: str = "e2e"  # scheduler.app_deadlines: how an app's stage requests get deadlines
+    glue_workers: int = 2  # [glue]: worker processes running the apps' glue callables
+    glue_timeout_ms: float = 1000.0  # a glue call running longer fails its query (glue-timeout)
+    glue_max_children: int = 256  # most inputs one glue call may make
 
     def ctl_socket_path(self) -> str:
         """Where the ctl socket lives: the configured path, else systemd's RuntimeDirectory, else
@@ -289,6 +297,16 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
     cfg.io_threads = th.get("io_threads", 1, "int+")
     th.done()
     cfg.scheduler = dict(top.get("scheduler", {}, "table"))
+    mode = cfg.scheduler.pop("app_deadlines", cfg.app_deadlines)
+    if mode not in APP_DEADLINES:
+        raise ConfigError(f"{src}: scheduler.app_deadlines: expected one of {', '.join(APP_DEADLINES)}, "
+                          f"got {mode!r}")
+    cfg.app_deadlines = mode
+    glue = top.sub("glue")
+    cfg.glue_workers = glue.get("workers", cfg.glue_workers, "int+")
+    cfg.glue_timeout_ms = glue.get("timeout_ms", cfg.glue_timeout_ms, "num+")
+    cfg.glue_max_children = glue.get("max_children", cfg.glue_max_children, "int+")
+    glue.done()
     models = top.sub("models")
     for name in list(models.d):
         mt = models.sub(name)

@@ -1,0 +1,433 @@
+"""Glue: user code that turns a stage's outputs into the next stage's inputs, run in worker
+processes, never in the scheduler's event loop.
+
+The contract
+------------
+An app's stage after the root names a glue callable ``"module:function"`` (importable where the
+daemon runs). For every request of the parent stage that ends with a result, the daemon calls::
+
+    fn(outputs, frame, spec) -> list of child inputs
+
+* ``outputs``: the parent request's outputs, a list of read-only numpy arrays, one per model
+  output, each with its per-request shape and dtype from the result's tensor meta (ORT and
+  TensorRT executors send it). An executor that sends no meta (the emulator, which echoes its
+  input) gives one flat ``uint8`` array of the raw bytes.
+* ``frame``: the client's original frame, a read-only numpy array shaped as the root model's
+  input (``spec.frame_shape``, ``spec.frame_dtype``) when the root model's profile records its
+  input and the frame has that size; else a flat ``uint8`` array of its bytes.
+* ``spec``: a :class:`GlueSpec`: the app, the stage it makes inputs for (and its model's input
+  ``shape`` / ``dtype`` / ``bytes`` where known), the parent stage, the frame's spec.
+
+It returns a list (any iterable but a single array, bytes or str) of zero or more child inputs,
+each ``bytes``-like or a numpy array. An array is cast to the child model's input dtype where it
+is known (``same_kind`` casting: float64 to float32 is fine, float to int is an error) and sent in
+C order; where the input size is known (the child model's profile, or ``[models.NAME]
+input_bytes``), every child must have exactly that many bytes. At most ``glue.max_children``
+children. A glue that raises, returns something else, or breaks these rules fails its query
+``glue-error`` naming the stage; one that runs past ``glue.timeout_ms`` fails it ``glue-timeout``
+and its worker is killed and replaced. Glue must be a pure function of its arguments: a worker
+may run any query's calls, and is replaced at any time.
+
+Why not the standard pools: ``concurrent.futures.ProcessPoolExecutor`` can neither stop one
+running call (a timed-out glue would hold its worker for good) nor survive a worker's death (one
+crash breaks the whole pool and fails every pending call); ``multiprocessing.Process`` either
+forks the daemon (copying its ZeroMQ I/O threads' state half-way) or, to spawn, re-imports the
+caller's ``__main__`` in each worker (which fails or re-runs code when the daemon is embedded in
+a script or a test). So each worker here is a fresh interpreter started with ``subprocess``
+(``python -c``, the daemon's ``sys.path``), talking over a socket pair framed and pickled by
+``multiprocessing.connection.Connection``. The pool kills and replaces just the worker that hung
+or died, and the daemon reads the sockets from its event loop (``add_reader``): no thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import itertools
+import json
+import multiprocessing.connection
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+Done = Callable[[list[bytes] | None, str, str], None]  # (children or None, reason, detail)
+
+GLUE_ERROR = "glue-error"  # as ppiped.wire's (the worker side does not import the wire)
+GLUE_TIMEOUT = "glue-timeout"
+DEADLINE = "deadline"
+SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True)
+class GlueSpec:
+    """What a glue call is told besides the data (its third argument)."""
+
+    app: str
+    stage: str  # the stage whose inputs this call makes
+    parent: str  # the stage whose outputs it reads
+    model: str  # ``stage``'s model
+    shape: tuple[int, ...] | None = None  # that model's input per request (no batch axis), if known
+    dtype: str | None = None
+    bytes: int = 0  # its size per request; 0: not known (not checked)
+    frame_shape: tuple[int, ...] | None = None  # the root model's input: how ``frame`` is decoded
+    frame_dtype: str | None = None
+
+
+class GlueError(Exception):
+    """A glue call's result breaks the contract (the message says how)."""
+
+
+def load_callable(ref: str) -> Callable[..., Any]:
+    """Import ``module:function``; raises ImportError, AttributeError or TypeError."""
+    module, _, name = ref.partition(":")
+    if not module or not name:
+        raise TypeError(f"{ref!r} is not 'module:function'")
+    fn = getattr(importlib.import_module(module), name)
+    if not callable(fn):
+        raise TypeError(f"{ref} is a {type(fn).__name__}, not a callable")
+    return fn
+
+
+def split_outputs(data: bytes, meta: Any) -> list[np.ndarray]:
+    """A result frame as arrays, one per ``[dtype, shape, name]`` of ``meta`` (per-request shapes,
+    concatenated in order); no meta: one flat uint8 array."""
+    if not meta:
+        return [np.frombuffer(data, dtype=np.uint8)]
+    out, off = [], 0
+    try:
+        for dtype, shape, _name in meta:
+            dt = np.dtype(dtype)
+            n = int(np.prod(shape, dtype=np.int64))
+            out.append(np.frombuffer(data, dtype=dt, count=n, offset=off).reshape(shape))
+            off += n * dt.itemsize
+    except (TypeError, ValueError) as e:
+        raise GlueError(f"the parent's output ({len(data)} bytes) does not match its meta {meta!r}: {e}") from None
+    if off != len(data):
+        raise GlueError(f"the parent's output has {len(data)} bytes, its meta {meta!r} describes {off}")
+    return out
+
+
+def decode_frame(frame: bytes, spec: GlueSpec) -> np.ndarray:
+    """The client's frame as the root model's input where its spec is known and fits."""
+    if spec.frame_shape is not None and spec.frame_dtype:
+        dt = np.dtype(spec.frame_dtype)
+        if int(np.prod(spec.frame_shape, dtype=np.int64)) * dt.itemsize == len(frame):
+            return np.frombuffer(frame, dtype=dt).reshape(spec.frame_shape)
+    return np.frombuffer(frame, dtype=np.uint8)
+
+
+def run_glue(fn: Callable[..., Any], data: bytes, meta: Any, frame: bytes, spec: GlueSpec,
+             max_children: int) -> list[bytes]:
+    """One glue call under the contract (module docstring): the children as bytes, or GlueError."""
+    res = fn(split_outputs(data, meta), decode_frame(frame, spec), spec)
+    if res is None or isinstance(res, (bytes, bytearray, memoryview, str, np.ndarray, dict)):
+        raise GlueError(f"returned {type(res).__name__!r}; a glue returns a list of child inputs")
+    try:
+        items = list(res) if isinstance(res, Iterable) else None
+    except Exception as e:  # a generator that raised
+        raise GlueError(f"{type(e).__name__}: {e}") from None
+    if items is None:
+        raise GlueError(f"returned {type(res).__name__!r}; a glue returns a list of child inputs")
+    if len(items) > max_children:
+        raise GlueError(f"returned {len(items)} children, more than glue.max_children = {max_children}")
+    return [_child(x, spec, j) for j, x in enumerate(items)]
+
+
+def _child(x: Any, spec: GlueSpec, j: int) -> bytes:
+    if isinstance(x, np.ndarray):
+        if spec.dtype:
+            try:
+                x = x.astype(spec.dtype, casting="same_kind", copy=False)
+            except TypeError:
+                raise GlueError(f"child {j}: dtype {x.dtype}, and model {spec.model!r} takes "
+                                f"{spec.dtype}") from None
+        b = np.ascontiguousarray(x).tobytes()
+    elif isinstance(x, (bytes, bytearray, memoryview)):
+        b = bytes(x)
+    else:
+        raise GlueError(f"child {j} is a {type(x).__name__}; children are bytes or numpy arrays")
+    if spec.bytes and len(b) != spec.bytes:
+        shape = f" {list(spec.shape)} {spec.dtype}" if spec.shape is not None else ""
+        raise GlueError(f"child {j} has {len(b)} bytes; model {spec.model!r} takes{shape} {spec.bytes}")
+    return b
+
+
+# --- the worker process ----------------------------------------------------------------------
+
+
+def _worker_main(fd: int, args: str) -> None:
+    """A worker's entry point (``python -c``): socket ``fd`` to the daemon, ``args`` JSON."""
+    a = json.loads(args)
+    sys.path[:] = a["path"]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when workers stop
+    with contextlib.suppress(Exception):  # Linux: SIGKILL when the daemon dies, even by SIGKILL
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != a["parent"]:
+        return
+    _worker(multiprocessing.connection.Connection(fd), a["refs"], a["max_children"])
+
+
+def _worker(conn: multiprocessing.connection.Connection, refs: list[str], max_children: int) -> None:
+    """Import every callable, say which failed, then serve calls until the socket closes."""
+    fns: dict[str, Callable[..., Any]] = {}
+    errors: dict[str, str] = {}
+    for ref in refs:
+        try:
+            fns[ref] = load_callable(ref)
+        except BaseException as e:  # noqa: BLE001 - any failure of user code is reported, not fatal
+            errors[ref] = f"{type(e).__name__}: {e}"
+    conn.send(("ready", errors))
+    while True:
+        try:
+            cid, ref, data, meta, frame, spec = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            fn = fns.get(ref)
+            if fn is None:
+                raise GlueError(f"cannot import {ref}: {errors.get(ref, 'not configured')}")
+            out: Any = (cid, True, run_glue(fn, data, meta, frame, spec, max_children))
+        except GlueError as e:
+            out = (cid, False, str(e))
+        except BaseException as e:  # noqa: BLE001 - user code: anything it raises is its error
+            tb = traceback.extract_tb(e.__traceback__)
+            where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno})" if tb else ""
+            out = (cid, False, f"{type(e).__name__}: {e}{where}")
+        try:
+            conn.send(out)
+        except (OSError, ValueError):
+            return
+
+
+# --- the pool (daemon side) ------------------------------------------------------------------
+
+
+class _Call:
+    __slots__ = ("id", "ref", "data", "meta", "frame", "spec", "deadline_us", "done", "timer")
+
+    def __init__(self, cid: int, ref: str, data: bytes, meta: Any, frame: bytes, spec: GlueSpec,
+                 deadline_us: int, done: Done) -> None:
+        self.id, self.ref, self.data, self.meta, self.frame, self.spec = cid, ref, data, meta, frame, spec
+        self.deadline_us, self.done = deadline_us, done
+        self.timer: Any = None
+
+
+class _Worker:
+    __slots__ = ("proc", "conn", "ready", "call")
+
+    def __init__(self, proc: subprocess.Popen, conn: multiprocessing.connection.Connection) -> None:
+        self.proc, self.conn = proc, conn
+        self.ready = False
+        self.call: _Call | None = None
+
+
+def _now_us() -> int:
+    return time.monotonic_ns() // 1000  # the daemon's clock (ppiped.daemon.loop.now_us)
+
+
+class GluePool:
+    """``workers`` glue processes serving every callable in ``refs``; see the module docstring.
+
+    Life cycle: :meth:`start` (blocking, before serving: says which callables failed to import),
+    :meth:`attach` to the event loop, :meth:`call` from it, :meth:`close`. Every call's ``done``
+    runs exactly once, on the loop: ``done(children, "", "")``, or ``done(None, reason, detail)``
+    with reason ``glue-error``, ``glue-timeout``, ``deadline`` (it waited for a worker past
+    ``deadline_us``) or ``shutdown``.
+    """
+
+    def __init__(self, refs: Sequence[str], workers: int = 2, timeout_s: float = 1.0,
+                 max_children: int = 256) -> None:
+        self.refs = sorted(set(refs))
+        self.n = max(1, workers)
+        self.timeout_s = timeout_s
+        self.max_children = max_children
+        self.workers: list[_Worker] = []
+        self.queue: deque[_Call] = deque()
+        self.loop: Any = None
+        self.ids = itertools.count(1)
+        self.closed = False
+        self.stats = {"calls": 0, "ok": 0, "errors": 0, "timeouts": 0, "late": 0, "restarts": 0}
+
+    def _spawn(self) -> _Worker:
+        mine, theirs = socket.socketpair()
+        args = json.dumps({"path": sys.path, "refs": self.refs, "max_children": self.max_children,
+                           "parent": os.getpid()})
+        code = f"from ppiped.query.glue import _worker_main; _worker_main({theirs.fileno()}, {args!r})"
+        try:
+            p = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
+                                 stdin=subprocess.DEVNULL, close_fds=True)
+        finally:
+            theirs.close()
+        w = _Worker(p, multiprocessing.connection.Connection(mine.detach()))
+        self.workers.append(w)
+        if self.loop is not None:
+            self.loop.add_reader(w.conn.fileno(), self._readable, w)
+        return w
+
+    def start(self, timeout_s: float = 60.0) -> dict[str, str]:
+        """Start the workers and wait until each has imported the callables (blocking). Returns
+        ``{ref: error}`` for those that failed to import (empty: all good); raises RuntimeError
+        if a worker does not come up within ``timeout_s``."""
+        for _ in range(self.n):
+            self._spawn()
+        errors: dict[str, str] = {}
+        end = time.monotonic() + timeout_s
+        waiting = {w.conn: w for w in self.workers}
+        while waiting:
+            left = end - time.monotonic()
+            ready = multiprocessing.connection.wait(list(waiting), max(0.0, left))
+            if not ready:
+                self.close()
+                raise RuntimeError(f"glue workers did not start within {timeout_s:g} s")
+            for c in ready:
+                w = waiting.pop(c)
+                try:
+                    kind, errs = c.recv()
+                except (EOFError, OSError):
+                    self.close()
+                    raise RuntimeError(f"a glue worker died while starting (exit code "
+                                       f"{w.proc.poll()})") from None
+                w.ready = kind == "ready"
+                errors.update(errs)
+        return errors
+
+    def attach(self, loop: Any) -> None:
+        """Read the workers' pipes from ``loop`` (the daemon's), where every ``done`` then runs."""
+        self.loop = loop
+        for w in self.workers:
+            loop.add_reader(w.conn.fileno(), self._readable, w)
+
+    @property
+    def busy(self) -> int:
+        return sum(1 for w in self.workers if w.call is not None)
+
+    def call(self, ref: str, data: bytes, meta: Any, frame: bytes, spec: GlueSpec, done: Done,
+             deadline_us: int = 0) -> None:
+        """Run ``ref`` on a parent's output ``data`` (+ ``meta``) and the query's ``frame``; a call
+        still waiting for a worker at ``deadline_us`` (monotonic µs; 0: none) is not run."""
+        self.stats["calls"] += 1
+        c = _Call(next(self.ids), ref, data, meta, frame, spec, deadline_us, done)
+        if self.closed:
+            self._end(c, None, SHUTDOWN, "the daemon is stopping")
+            return
+        self.queue.append(c)
+        self._pump()
+
+    def _pump(self) -> None:
+        for w in self.workers:
+            if not self.queue:
+                return
+            if w.ready and w.call is None:
+                self._run(w)
+
+    def _run(self, w: _Worker) -> None:
+        q = self.queue
+        while q:
+            c = q.popleft()
+            if c.deadline_us and _now_us() >= c.deadline_us:
+                self.stats["late"] += 1
+                self._end(c, None, DEADLINE, "waited for a glue worker past the query's deadline")
+                continue
+            try:
+                w.conn.send((c.id, c.ref, c.data, c.meta, c.frame, c.spec))
+            except (OSError, ValueError):  # it died: the reader sees EOF and replaces it
+                q.appendleft(c)
+                w.ready = False
+                return
+            w.call = c
+            c.timer = self.loop.call_later(self.timeout_s, self._timeout, w, c)
+            return
+
+    def _readable(self, w: _Worker) -> None:
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError, ValueError):
+            code = None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = w.proc.wait(0.1)
+            self._replace(w, GLUE_ERROR, f"the glue worker died (exit code {code})")
+            return
+        except Exception as e:  # an unpicklable message: treat the worker as broken
+            self._replace(w, GLUE_ERROR, f"unreadable message from the glue worker: {e}")
+            return
+        if not w.ready:
+            w.ready = True  # a replacement's ("ready", errors): its imports are the start's
+            self._pump()
+            return
+        c = w.call
+        if c is None or type(msg) is not tuple or len(msg) != 3 or msg[0] != c.id:
+            return
+        w.call = None
+        c.timer.cancel()
+        _, ok, out = msg
+        if ok:
+            self.stats["ok"] += 1
+            self._end(c, out, "", "")
+        else:
+            self.stats["errors"] += 1
+            self._end(c, None, GLUE_ERROR, str(out))
+        if self.queue:
+            self._run(w)
+
+    def _timeout(self, w: _Worker, c: _Call) -> None:
+        if w.call is not c:
+            return
+        self.stats["timeouts"] += 1
+        self._replace(w, GLUE_TIMEOUT, f"{c.ref} ran past glue.timeout_ms = {self.timeout_s * 1000:g}")
+
+    def _replace(self, w: _Worker, reason: str, detail: str) -> None:
+        """Kill worker ``w`` (hung, dead or broken), answer its call, start another."""
+        c, w.call = w.call, None
+        self._drop(w)
+        if c is not None:
+            if c.timer is not None:
+                c.timer.cancel()
+            if reason == GLUE_ERROR:
+                self.stats["errors"] += 1
+            self._end(c, None, reason, detail)
+        if not self.closed:
+            self.stats["restarts"] += 1
+            self._spawn()
+
+    def _drop(self, w: _Worker) -> None:
+        if self.loop is not None:
+            with contextlib.suppress(Exception):
+                self.loop.remove_reader(w.conn.fileno())
+        with contextlib.suppress(Exception):
+            w.conn.close()
+        if w.proc.poll() is None:
+            w.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            w.proc.wait(1.0)
+        if w in self.workers:
+            self.workers.remove(w)
+
+    @staticmethod
+    def _end(c: _Call, out: list[bytes] | None, reason: str, detail: str) -> None:
+        c.data = c.frame = b""
+        c.done(out, reason, detail)
+
+    def close(self) -> None:
+        """Answer every waiting and running call ``shutdown`` and stop the workers."""
+        self.closed = True
+        while self.queue:
+            self._end(self.queue.popleft(), None, SHUTDOWN, "the daemon is stopping")
+        for w in list(self.workers):
+            c, w.call = w.call, None
+            self._drop(w)
+            if c is not None:
+                if c.timer is not None:
+                    c.timer.cancel()
+                self._end(c, None, SHUTDOWN, "the daemon is stopping")
