@@ -15,6 +15,7 @@ COMMANDS = [
     "ppiped.commands.plan",
     "ppiped.commands.profile",
     "ppiped.commands.example_model",
+    "ppiped.commands.example_app",
     "ppiped.commands.serve",
     "ppiped.commands.loadgen",
     "ppiped.commands.demo",
