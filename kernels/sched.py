@@ -1292,23 +1292,26 @@ def probe_entry(A, p, b, now):
 @njit(cache=True)
 def stage_estimate(A, F, m, n, now):
     """How long from ``now`` until ``n`` new requests of model ``m`` could be done: the best
-    pipeline's probe at their batch size, behind the requests already queued for ``m`` (each
-    taking the planned gap between arrivals). A query's upstream stage subtracts this for its
+    pipeline's probe at their batch size (up to its planned one), behind the requests already
+    queued for ``m`` and those of the ``n`` past one batch (each taking the planned gap between
+    arrivals, the model's planned throughput). A query's upstream stage subtracts this for its
     downstream stages from the query's deadline (PARD's estimate of the whole remaining path)."""
     o_mp = off(A, X_MODEL_PIPE0)
     o_bs = off(A, X_PIPE_BS)
+    gap = F[off(A, X_M_PGAP) + m]
+    if not gap < INF:
+        gap = 0.0
     best = INF
     for p in range(A[o_mp + m], A[o_mp + m + 1]):
         b = min(max(n, 1), A[o_bs + p])
         f, _ = probe(A, F, p, b, now, 0)
-        if f - now < best:
-            best = f - now
+        # the requests past one batch wait like queued ones
+        x = f - now + (max(n, 1) - b) * gap
+        if x < best:
+            best = x
     o_qs = off(A, X_Q_SIZE)
     q = A[o_qs + m] + A[o_qs + _hiq(A, m)]
-    gap = F[off(A, X_M_PGAP) + m]
-    if q > 0 and gap < INF:
-        best += q * gap
-    return best
+    return best + q * gap
 
 
 @njit(f8(I1, i8, i8, f8), cache=True)

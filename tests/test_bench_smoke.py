@@ -144,3 +144,17 @@ def test_realserve_bench_short_run(tmp_path):
                                     "--cache", str(tmp_path / "cache"), "--no-pin"]) if "attainment" in r]
     assert r["sent"] > 0 and r["no_reply"] == 0
     assert 0.0 <= r["attainment"] <= 1.0
+
+
+@pytest.mark.shared
+def test_dag_bench_short_run():
+    if not reference_plans("v4"):
+        pytest.skip("../shared/data/ppipe is not present")
+    recs = _json_lines([str(BENCH / "dag.py"), "--apps", "2", "--loads", "1.3", "--duration", "1",
+                        "--seeds", "1", "--time-limit", "10"])
+    runs = [r for r in recs if "system" in r]
+    assert {r["system"] for r in runs} == {"split", "e2e", "chain"}
+    for r in runs:
+        assert r["queries"] > 0 and r["ok"] + r["late"] + sum(r["dropped"].values()) == r["queries"]
+        assert 0 <= r["invalid_rate"] <= 1
+    assert any(r.get("summary") == "dag" for r in recs)

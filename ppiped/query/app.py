@@ -10,8 +10,11 @@ issue compares:
 
 - ``split`` (Nexus): the SLO is split across stages; a stage's deadline is the end of its share,
   counted from the query's arrival;
-- ``e2e`` (PARD): every stage works to the query's own deadline, less an estimate of what the rest
-  of its path needs after it (so a stage drops a request that its downstream cannot finish in time);
+- ``e2e`` (PARD): every stage works to the query's own deadline, less what the rest of its path
+  needs after it: the core's live estimate of the stages below (queues and tables) or, when
+  larger, the budgets the planner sized them for (a stage that took the whole slack would leave
+  its children a path they can only drop on); so a stage drops a request that its downstream
+  cannot finish in time, before spending GPU time on it;
 - ``chain`` (a client chaining submissions by hand): each stage request gets its stage's budget
   counted from when it is submitted.
 """
@@ -269,11 +272,15 @@ def stage_deadline_us(app: App, i: int, mode: str, query_arrival_us: float, quer
     """The deadline a request of stage ``i`` is scheduled against (see the module docstring).
 
     ``split`` scales the planned budgets to the query's own SLO (a client may ask for less than
-    the app's); ``e2e`` needs ``rest_us`` from :func:`downstream_us`; ``chain`` counts the stage's
+    the app's); ``e2e`` takes ``rest_us`` from :func:`downstream_us` (live estimates) and the
+    planned budgets below stage ``i``, whichever is larger; ``chain`` counts the stage's
     budget from ``submit_us``, the time the request reaches the scheduler.
     """
     if mode == "e2e":
-        return query_deadline_us - (rest_us[i] if rest_us is not None else 0.0)
+        rest = rest_us[i] if rest_us is not None else 0.0
+        if app.split_done:  # never less than the planned stages after it were sized for
+            rest = max(rest, (query_deadline_us - query_arrival_us) * (1.0 - app.end_us(i) / app.slo_us))
+        return query_deadline_us - rest
     if not app.split_done:
         raise InputError(f"app {app.name!r} has no SLO split: plan it first")
     if mode == "split":

@@ -135,7 +135,9 @@ I_MAX_INFL = 19
 I_EVENTS = 20
 I_NIC = 21  # 1: transfers share the server NICs they use
 I_NIC_MAXN = 22  # most intervals a NIC row has held (growth check)
-I_SIZE = 24
+I_STOP_LATE = 24  # 1: a query that failed spawns no more stages (0: hand-chained clients go on)
+I_NROOT = 23  # arrivals known up front (the rest are app stages, spawned by their parents)
+I_SIZE = 26
 
 # sf: float64 loop state
 G_NOW = 0
@@ -156,6 +158,7 @@ PH_FLUSH = 2
 PH_DECIDE = 3
 PH_OUTPUT = 4
 
+EV_SPAWN = 0  # payload: a served request whose app children now arrive
 EV_END = 1  # payload: job (batch * K + hop)
 EV_READY = 2  # payload: job
 EV_TIMER = 3  # payload: vGPU
@@ -185,6 +188,24 @@ HF_SIZE = 6
 # request states
 R_PENDING = 0
 R_SERVED = 1  # drops are 1 + reason (state.DROP_*)
+R_CANCELLED = 9  # an app stage request withdrawn because its query had already failed
+
+# per-request deadline rules (dq_i[:, DQ_MODE]); dq_f[:, DF_DL] is the deadline a request is
+# late against (its query's, for app stages), dq_f[:, DF_DC] the mode's parameter
+DM_ABS = 0  # scheduled against DF_DC
+DM_REL = 1  # scheduled against arrival + DF_DC (hand-chained stages)
+DM_E2E = 2  # against DF_DL less the core's estimate of its downstream stages, at least DF_DC
+Q_FAIL_DROP = 1  # q_fail: a request was dropped
+Q_FAIL_LATE = 2  # a request ended past the query's deadline
+Q_FAIL_SPAWN = 3  # a stage's children could not end in time: dropped before they arrived
+DQ_MODE = 0
+DQ_C0 = 1  # first child request (children of a request are contiguous)
+DQ_NC = 2  # children (drawn up front from the stage's fan-out)
+DQ_QUERY = 3  # the query (its root's id) or -1 for a plain request
+DQ_SIZE = 4
+DF_DL = 0
+DF_DC = 1
+DF_SIZE = 2
 
 # A completion this close after its deadline is on time: a batch dispatched at the last moment
 # is planned to end exactly at the deadline, and the simulator's sum start + latency rounds
@@ -399,7 +420,7 @@ def _transfer(si, sf, now, ask, up, down, dur, nic_s, nic_e, nic_n, nic_busy):
 
 
 @njit(cache=True, inline="always")
-def _end_request(si, rid, now, arr_t, arr_m, slo, r_state, r_end, miss, miss_allow, state):
+def _end_request(si, rid, now, dq_f, arr_m, r_state, r_end, miss, miss_allow, state):
     if r_state[rid] != R_PENDING:
         si[I_TWICE] += 1
         return
@@ -407,12 +428,70 @@ def _end_request(si, rid, now, arr_t, arr_m, slo, r_state, r_end, miss, miss_all
     m = arr_m[rid]
     if state == R_SERVED:
         r_end[rid] = now
-        if now > arr_t[rid] + slo[m] + LATE_EPS_US:
+        if now > dq_f[rid, DF_DL] + LATE_EPS_US:
             miss[m] += 1
     else:
         miss[m] += 1
     if miss_allow[m] >= 0 and miss[m] > miss_allow[m]:
         si[I_STOP] = 1
+
+
+@njit(cache=True)
+def _rest(A, F, m, now, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp):
+    """What model ``m``'s downstream app stages need after it ends, now: per child stage a glue
+    step, the core's estimate for its expected requests (``kernels.sched.stage_estimate``) and
+    its own downstream, the slowest child counting (:func:`ppiped.query.app.downstream_us`)."""
+    if m_c0[m] == m_c0[m + 1]:
+        return 0.0
+    for i in range(m_order.shape[0]):  # children before parents
+        d = m_order[i]
+        r = 0.0
+        for j in range(m_c0[d], m_c0[d + 1]):
+            c = m_cm[j]
+            x = m_glue[c] + K.stage_estimate(A, F, c, m_n[c], now) + rest_tmp[c]
+            if x > r:
+                r = x
+        rest_tmp[d] = r
+    return rest_tmp[m]
+
+
+@njit(cache=True)
+def _children_in_time(A, F, rid, now, arr_m, dq_i, dq_f, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp):
+    """Whether request ``rid``'s children, now that their number is known, can still end by
+    their query's deadline (PARD's check at the next stage's admission): per child model, the
+    core's estimate for that many requests and its own downstream stages."""
+    c0 = dq_i[rid, DQ_C0]
+    c1 = c0 + dq_i[rid, DQ_NC]
+    dl = dq_f[rid, DF_DL]
+    c = c0
+    while c < c1:
+        m = arr_m[c]
+        k = 0
+        while c < c1 and arr_m[c] == m:
+            k += 1
+            c += 1
+        if now + K.stage_estimate(A, F, m, k, now) + _rest(A, F, m, now, m_c0, m_cm, m_n, m_order, m_glue,
+                                                          rest_tmp) > dl:
+            K._pressure(A, F, m, now)  # a drop of m's requests, as PARD counts them
+            return False
+    return True
+
+
+@njit(cache=True)
+def _query_failed(A, si, rid, now, arr_t, arr_m, dq_i, qm0, qm, q_fail, r_state, why):
+    """A request of a query was dropped (or ended late): the query has failed; withdraw its
+    requests still queued, which would only spend GPU time on an answer nobody can use (a
+    client chaining stages by hand, ``I_STOP_LATE`` 0, knows nothing of the query and goes on)."""
+    q = dq_i[rid, DQ_QUERY]
+    if q < 0 or q_fail[q] != 0:
+        return
+    q_fail[q] = why
+    if si[I_STOP_LATE] == 0:
+        return
+    for i in range(qm0[q], qm0[q + 1]):
+        j = qm[i]
+        if j != rid and r_state[j] == R_PENDING and arr_t[j] <= now and K.cancel(A, j, arr_m[j]) != 0:
+            r_state[j] = R_CANCELLED
 
 
 @njit(cache=True, inline="always")
@@ -437,7 +516,8 @@ def _nv(a):
 def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, lat, tin,
              nic_s, nic_e, nic_n, nic_busy,
              et, es, ex, bi, bhi, bhf, breq, j_next,
-             v_head, v_run, v_timer, v_busy, r_state, r_end, r_gpu, miss, rb_h, rb_f, tl_i, tl_f):
+             v_head, v_run, v_timer, v_busy, r_state, r_end, r_gpu, miss, rb_h, rb_f, tl_i, tl_f,
+             dq_i, dq_f, qm0, qm, q_fail, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp):
     """Run until every request has ended (DONE), the miss budget is spent (STOPPED), or an array
     is full (a core ``FULL_*`` status or ``SIM_FULL_*``): then grow it and call again."""
     # owner-less views of every array (see kernels.state.raw): numba reference-counts owned
@@ -479,7 +559,14 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
     rb_f = _nv(rb_f)
     tl_i = _nv(tl_i)
     tl_f = _nv(tl_f)
-    n_arr = arr_t.shape[0]
+    dq_i = _nv(dq_i)
+    dq_f = _nv(dq_f)
+    qm0 = _nv(qm0)
+    qm = _nv(qm)
+    q_fail = _nv(q_fail)
+    n_arr = si[I_NROOT]
+    stop_late = si[I_STOP_LATE] != 0
+    Bmax = breq.shape[1]
     Kd = si[I_K]
     reactive = si[I_REACTIVE] != 0
     F = _nv(A.view(np.float64))
@@ -489,7 +576,7 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
         if ph == PH_EVENT:
             if si[I_STOP] != 0:
                 return STOPPED
-            if si[I_EH_N] + 4 > et.shape[0]:
+            if si[I_EH_N] + 4 + Bmax > et.shape[0]:
                 return SIM_FULL_HEAP
             if si[I_NIC_MAXN] + 2 * Kd + 2 > nic_s.shape[1]:
                 return SIM_FULL_NIC
@@ -507,7 +594,34 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
                 si[I_EVENTS] += 1
                 kind = x & 3
                 item = x >> 2
-                if kind == EV_TIMER:
+                if kind == EV_SPAWN:
+                    q = dq_i[item, DQ_QUERY]
+                    if (stop_late and q_fail[q] == 0 and dq_i[dq_i[item, DQ_C0], DQ_MODE] == DM_E2E
+                            and not _children_in_time(A, F, item, now, arr_m, dq_i, dq_f, m_c0, m_cm, m_n,
+                                                      m_order, m_glue, rest_tmp)):
+                        q_fail[q] = Q_FAIL_SPAWN
+                    if q_fail[q] == 0 or not stop_late:
+                        for c in range(dq_i[item, DQ_C0], dq_i[item, DQ_C0] + dq_i[item, DQ_NC]):
+                            m = arr_m[c]
+                            arr_t[c] = now
+                            mode = dq_i[c, DQ_MODE]
+                            if mode == DM_REL:
+                                dl = now + dq_f[c, DF_DC]
+                            elif mode == DM_E2E:
+                                dl = dq_f[c, DF_DL] - max(dq_f[c, DF_DC], _rest(
+                                    A, F, m, now, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp))
+                            else:
+                                dl = dq_f[c, DF_DC]
+                            st = K.submit(A, c, m, now, dl, arr_p[c])
+                            if st != OK:  # an array is full: the children from c on arrive again
+                                arr_t[c] = INF  # once it has grown
+                                dq_i[item, DQ_NC] -= c - dq_i[item, DQ_C0]
+                                dq_i[item, DQ_C0] = c
+                                ev_push(si, et, es, ex, now, EV_SPAWN, item)
+                                si[I_EVENTS] -= 1
+                                return st
+                        si[I_NEED_DECIDE] = 1
+                elif kind == EV_TIMER:
                     if v_timer[item] == now:
                         v_timer[item] = INF
                         _try_start(si, sf, now, item, v_head, v_run, v_timer, v_busy, j_next, bi,
@@ -565,8 +679,17 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
                     else:
                         if bi[b, BI_FINAL] != 0:
                             for i in range(bs):
-                                _end_request(si, breq[b, i], now, arr_t, arr_m, slo, r_state,
+                                rid = breq[b, i]
+                                _end_request(si, rid, now, dq_f, arr_m, r_state,
                                              r_end, miss, miss_allow, R_SERVED)
+                                q = dq_i[rid, DQ_QUERY]
+                                if q >= 0:
+                                    if now > dq_f[rid, DF_DL] + LATE_EPS_US:
+                                        _query_failed(A, si, rid, now, arr_t, arr_m, dq_i, qm0, qm,
+                                                      q_fail, r_state, Q_FAIL_LATE)
+                                    if dq_i[rid, DQ_NC] > 0 and (q_fail[q] == 0 or not stop_late):
+                                        ev_push(si, et, es, ex, now + m_glue[arr_m[dq_i[rid, DQ_C0]]],
+                                                EV_SPAWN, rid)
                         bi[b, BI_NEXT] = si[I_BFREE]
                         si[I_BFREE] = b
                         si[I_INFL] -= 1
@@ -588,7 +711,12 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
             ai = si[I_AI]
             while ai < n_arr and arr_t[ai] == now:
                 m = arr_m[ai]
-                st = K.submit(A, ai, m, now, now + slo[m], arr_p[ai])
+                if dq_i[ai, DQ_MODE] == DM_E2E:
+                    dl = dq_f[ai, DF_DL] - max(dq_f[ai, DF_DC], _rest(A, F, m, now, m_c0, m_cm, m_n, m_order,
+                                                                      m_glue, rest_tmp))
+                else:
+                    dl = dq_f[ai, DF_DC]
+                st = K.submit(A, ai, m, now, dl, arr_p[ai])
                 if st != OK:
                     return st
                 ai += 1
@@ -636,8 +764,10 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
                 ox_rid = off(A, X_OX_RID)
                 ox_reason = off(A, X_OX_REASON)
                 for x in range(si[I_OUT_X], nx):
-                    _end_request(si, A[ox_rid + x], now, arr_t, arr_m, slo, r_state, r_end, miss,
+                    rid = A[ox_rid + x]
+                    _end_request(si, rid, now, dq_f, arr_m, r_state, r_end, miss,
                                  miss_allow, R_SERVED + A[ox_reason + x])
+                    _query_failed(A, si, rid, now, arr_t, arr_m, dq_i, qm0, qm, q_fail, r_state, Q_FAIL_DROP)
                 si[I_OUT_X] = nx
             nd = A[H_OUT_ND]
             if si[I_OUT_D] < nd:

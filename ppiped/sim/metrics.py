@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..core.scheduler import DROP_REASONS
-from .engine import LATE_EPS_US, R_PENDING, R_SERVED
+from .engine import LATE_EPS_US, R_CANCELLED, R_PENDING, R_SERVED
 
 
 @dataclass
@@ -56,6 +56,7 @@ class SimResult:
     timeline: list[tuple[str, float, float, int, int]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     classes: dict[str, list[ModelResult]] = field(default_factory=dict)  # "high"/"low" when both ran
+    apps: list = field(default_factory=list)  # sim.dag.AppResult per app, for runs with queries
 
     @property
     def min_attainment(self) -> float:
@@ -100,6 +101,8 @@ class SimResult:
                                    "goodput_rps": m.goodput_rps, "late": m.late, "drop_rate": m.drop_rate,
                                    "invalid_rate": m.invalid_rate} for m in ms]}
                 for name, ms in self.classes.items()}
+        if self.apps:
+            d["apps"] = [a.to_json() for a in self.apps]
         if speed:
             d["speed"] = self.speed
         return d
@@ -113,6 +116,11 @@ class SimResult:
             lines.append(f"{m.model[:44]:<44} {m.rate_rps:8.1f} {m.offered:8d} {100 * m.attainment:8.2f} "
                          f"{m.goodput_rps:9.1f} {m.late:6d} {sum(m.drops.values()):8d} "
                          f"{100 * m.invalid_rate:8.2f} {m.p50_ms:8.2f} {m.p99_ms:8.2f}")
+        for ap in self.apps:
+            drops = ", ".join(f"{k} {v}" for k, v in sorted(ap.dropped.items())) or "none"
+            lines.append(f"app {ap.app}: {ap.queries} queries, {100 * ap.attainment:.2f}% in SLO, goodput "
+                         f"{ap.goodput_qps:.1f}/s, late {ap.late}, dropped {sum(ap.dropped.values())} ({drops}), "
+                         f"invalid GPU {100 * ap.invalid_rate:.2f}%, p99 {ap.p99_ms:.2f} ms")
         for name, ms in self.classes.items():
             off = sum(m.offered for m in ms)
             lines.append(f"class {name}: {off} requests, worst model attainment "
@@ -132,26 +140,36 @@ class SimResult:
 
 def model_results(names: list[str], rates: np.ndarray, arr_t: np.ndarray, arr_m: np.ndarray,
                   slo_us: np.ndarray, r_state: np.ndarray, r_end: np.ndarray, r_gpu: np.ndarray | None = None,
-                  duration_s: float = 0.0, subset: np.ndarray | None = None) -> list[ModelResult]:
+                  duration_s: float = 0.0, subset: np.ndarray | None = None,
+                  deadline_us: np.ndarray | None = None) -> list[ModelResult]:
     """Per-model attainment, goodput, lateness, drops by reason, invalid rate and latency
     percentiles. The invalid rate is the share of the model's GPU time spent on requests that
     ended late or were dropped after a batch had started on them (``r_gpu``: GPU µs per
-    request). ``subset`` (a mask over requests) restricts it to some, e.g. a priority class."""
+    request). ``subset`` (a mask over requests) restricts it to some, e.g. a priority class;
+    ``deadline_us`` (per request) replaces arrival + SLO (app stages are late against their
+    query's deadline). Withdrawn app stages count as dropped ("query-failed")."""
     out = []
     for m, name in enumerate(names):
         sel = arr_m == m if subset is None else (arr_m == m) & subset
         st = r_state[sel]
         done = st == R_SERVED
         lat = r_end[sel][done] - arr_t[sel][done]
-        late = int(np.count_nonzero(lat > slo_us[m] + LATE_EPS_US))
+        if deadline_us is None:
+            is_late = lat > slo_us[m] + LATE_EPS_US
+        else:
+            is_late = r_end[sel][done] > deadline_us[sel][done] + LATE_EPS_US
+        late = int(np.count_nonzero(is_late))
         drops = {why: int(np.count_nonzero(st == R_SERVED + code)) for code, why in sorted(DROP_REASONS.items())}
+        n_cancel = int(np.count_nonzero(st == R_CANCELLED))
+        if n_cancel:
+            drops["query-failed"] = n_cancel
         p50, p99 = (np.percentile(lat, [50, 99]) / 1e3) if len(lat) else (np.nan, np.nan)
         served = int(done.sum()) - late
         invalid = 0.0
         if r_gpu is not None:
             g = r_gpu[sel]
             ok = np.zeros(len(st), dtype=bool)
-            ok[np.flatnonzero(done)[lat <= slo_us[m] + LATE_EPS_US]] = True
+            ok[np.flatnonzero(done)[~is_late]] = True
             total = float(g.sum())
             invalid = float(g[~ok].sum()) / total if total > 0 else 0.0
         out.append(ModelResult(name, int(sel.sum()), float(rates[m]), served, late, drops,

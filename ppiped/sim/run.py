@@ -20,6 +20,7 @@ from ..core.scheduler import Policy, Scheduler
 from ..plan import Plan, load_plan
 from ..profiles import Profile
 from . import engine as E
+from .dag import DagWorkload, app_results
 from .metrics import SimResult, model_results, utilization
 from .workload import Trace, generate
 
@@ -67,9 +68,9 @@ class SimOptions:
 class Simulation:
     """One run: a scheduler for ``plan``, a trace, and the compiled loop's state."""
 
-    def __init__(self, plan: Plan, profiles: dict[str, Profile], trace: Trace, policy: str | Policy = "ppipe",
+    def __init__(self, plan: Plan, profiles: dict[str, Profile], trace: Trace | None, policy: str | Policy = "ppipe",
                  seed: int = 0, duration_s: float | None = None, options: SimOptions | None = None,
-                 layout: Layout | None = None):
+                 layout: Layout | None = None, dag: DagWorkload | None = None):
         opt = options or SimOptions()
         if opt.sigma < 0:
             raise ValueError(f"jitter sigma must be >= 0, got {opt.sigma}")
@@ -81,20 +82,26 @@ class Simulation:
                                work_conserving=math.isinf(opt.start_early_us))
         lay = self.layout = self.sched.layout
         M = len(lay.models)
-        t = np.ascontiguousarray(trace.times_us, dtype=np.float64)
-        m = np.ascontiguousarray(trace.model, dtype=np.int64)
-        if len(m) and (m.min() < 0 or m.max() >= M):
-            raise ValueError(f"trace names model {int(m.max())} but the plan has {M} models")
-        if len(t) > 1 and np.any(np.diff(t) < 0):
-            raise ValueError("trace arrival times must be sorted")
-        self.arr_t, self.arr_m = t, m
-        self.arr_p = (np.ascontiguousarray(trace.priority, dtype=np.int64) if trace.priority is not None
-                      else np.zeros(len(t), dtype=np.int64))
-        if len(self.arr_p) != len(t):
-            raise ValueError(f"trace has {len(t)} arrivals and {len(self.arr_p)} priorities")
-        self.duration_s = float(duration_s) if duration_s is not None else (float(t[-1]) / 1e6 if len(t) else 0.0)
         self.slo = np.ascontiguousarray(lay.slo_us, dtype=np.float64)
-        self.offered = np.bincount(m, minlength=M)
+        if dag is None:
+            t = np.ascontiguousarray(trace.times_us, dtype=np.float64)
+            m = np.ascontiguousarray(trace.model, dtype=np.int64)
+            p = (np.ascontiguousarray(trace.priority, dtype=np.int64) if trace.priority is not None
+                 else np.zeros(len(t), dtype=np.int64))
+            if len(m) and (m.min() < 0 or m.max() >= M):
+                raise ValueError(f"trace names model {int(m.max())} but the plan has {M} models")
+            if len(p) != len(t):
+                raise ValueError(f"trace has {len(t)} arrivals and {len(p)} priorities")
+            dag = DagWorkload.plain(t, m, p, self.slo, M)
+        self.dag = dag
+        t, m = dag.times_us.copy(), np.ascontiguousarray(dag.model, dtype=np.int64)
+        if dag.n_roots > 1 and np.any(np.diff(t[:dag.n_roots]) < 0):
+            raise ValueError("trace arrival times must be sorted")
+        self.arr_t, self.arr_m, self.arr_p = t, m, np.ascontiguousarray(dag.priority, dtype=np.int64)
+        roots = t[:dag.n_roots]
+        self.duration_s = (float(duration_s) if duration_s is not None
+                           else (float(roots[-1]) / 1e6 if len(roots) else 0.0))
+        self.offered = np.bincount(m[:dag.n_roots], minlength=M)
         if opt.stop_below is None:
             self.miss_allow = np.full(M, -1, dtype=np.int64)
         else:
@@ -110,6 +117,11 @@ class Simulation:
         si[E.I_SEED] = np.array([E.mix64(np.uint64(self.seed & (2**64 - 1)))], dtype=np.uint64).view(np.int64)[0]
         si[E.I_K] = Kd
         si[E.I_NIC] = int(opt.nic_fifo)
+        si[E.I_NROOT] = dag.n_roots
+        si[E.I_STOP_LATE] = int(dag.stop_late)
+        self.dq_i = dag.dq_i.copy()  # the loop moves a spawn's progress into it
+        self.q_fail = np.zeros(len(dag.q_root), dtype=np.int64)
+        self.rest_tmp = np.zeros(M)
         sf[E.G_WAKE] = math.inf
         sf[E.G_NEXT_GC] = opt.gc_every_us if opt.gc_every_us > 0 else math.inf
         sf[E.G_GC_EVERY] = opt.gc_every_us
@@ -199,7 +211,9 @@ class Simulation:
                 self.sched._A, self.si, self.sf, self.arr_t, self.arr_m, self.arr_p, self.slo, self.miss_allow,
                 self.v_pool, self.v_server, self.lat, self.tin, self.nic_s, self.nic_e, self.nic_n, self.nic_busy, self.et, self.es,
                 self.ex, self.bi, self.bhi, self.bhf, self.breq, self.j_next, self.v_head, self.v_run, self.v_timer, self.v_busy, self.r_state,
-                self.r_end, self.r_gpu, self.miss, self.rb_h, self.rb_f, self.tl_i, self.tl_f)
+                self.r_end, self.r_gpu, self.miss, self.rb_h, self.rb_f, self.tl_i, self.tl_f,
+                self.dq_i, self.dag.dq_f, self.dag.qm0, self.dag.qm, self.q_fail, self.dag.m_c0, self.dag.m_cm,
+                self.dag.m_n, self.dag.m_order, self.dag.m_glue, self.rest_tmp)
             if st in (E.DONE, E.STOPPED):
                 break
             self._grow(st)
@@ -212,9 +226,12 @@ class Simulation:
         counters = {k: int(v) for k, v in st.items() if k != "arena_bytes"}
         counters.update(events=int(self.si[E.I_EVENTS]), inferences=int(self.si[E.I_USES]),
                         ended_twice=int(self.si[E.I_TWICE]), max_batches_in_flight=int(self.si[E.I_MAX_INFL]))
-        rates = self.offered / self.duration_s if self.duration_s > 0 else np.zeros(len(self.offered))
+        spawned = np.isfinite(self.arr_t)  # app stages whose parent never finished never arrived
+        offered = np.bincount(self.arr_m[spawned], minlength=len(lay.models))
+        rates = offered / self.duration_s if self.duration_s > 0 else np.zeros(len(offered))
+        dl = self.dag.dq_f[:, E.DF_DL]
         models = model_results(lay.models, rates, self.arr_t, self.arr_m, self.slo, self.r_state, self.r_end,
-                               self.r_gpu, self.duration_s)
+                               self.r_gpu, self.duration_s, spawned, dl)
         util = utilization(lay.gpu_types, lay.v_gpu_type, self.v_busy, self.duration_s * 1e6)
         n = len(self.arr_t)
         dec = max(1, counters["decisions"])
@@ -232,7 +249,11 @@ class Simulation:
                 off = np.bincount(self.arr_m[sel], minlength=len(lay.models))
                 res.classes[name] = model_results(
                     lay.models, off / self.duration_s if self.duration_s > 0 else off * 0.0, self.arr_t,
-                    self.arr_m, self.slo, self.r_state, self.r_end, self.r_gpu, self.duration_s, sel)
+                    self.arr_m, self.slo, self.r_state, self.r_end, self.r_gpu, self.duration_s, sel, dl)
+        if self.dag.apps:
+            res.apps = app_results(self.dag, lay, self.arr_t, self.r_state, self.r_end, self.r_gpu, self.duration_s,
+                                   self.q_fail)
+            res.extra["app_deadlines"] = self.dag.mode
         if self.duration_s > 0:
             nb = self.nic_busy / (self.duration_s * 1e6)
             res.extra["nic_max_utilization"] = {"uplink": float(nb[0::2].max()), "downlink": float(nb[1::2].max())}

@@ -1,0 +1,110 @@
+"""App queries in the simulator (#17): every query accounted once, children only from served
+parents, the three deadline modes on time at light load, determinism, clear errors. Synthetic
+profiles (the world of test_apps_plan)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from test_apps_plan import LIMIT, PARAMS, PROFILES, cluster, tree_app, two_stage
+
+from ppiped.core.layout import Layout
+from ppiped.errors import InputError
+from ppiped.query.split import plan_apps
+from ppiped.sim import engine as E
+from ppiped.sim.dag import SYSTEMS, app_capacity_qps, app_workload, simulate_apps
+from ppiped.sim.run import SimOptions, Simulation
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {"chain": plan_apps(PROFILES, [two_stage()], cluster(), PARAMS, time_limit=LIMIT),
+            "tree": plan_apps(PROFILES, [tree_app()], cluster(), PARAMS, time_limit=LIMIT)}
+
+
+def _run(plan, mode, lf, seed=0, duration=4.0, policy=None):
+    lay = Layout.from_plan(plan, PROFILES)
+    a = plan.apps[0]
+    w = app_workload(plan, lay, {a.name: lf * app_capacity_qps(plan, a)}, duration, seed, mode)
+    pol = policy or dict(SYSTEMS.values())[mode]
+    sim = Simulation(plan, PROFILES, None, pol, seed, duration, SimOptions(), lay, dag=w)
+    return sim, w, sim.run()
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("mode", ["split", "e2e", "chain"])
+def test_every_query_is_accounted_once_and_children_come_only_from_served_parents(plans, shape, mode):
+    sim, w, r = _run(plans[shape], mode, 1.4)
+    a = r.apps[0]
+    assert a.queries == w.n_roots > 100
+    assert a.ok + a.late + sum(a.dropped.values()) == a.queries
+    assert r.counters["ended_twice"] == 0
+    assert a.ok < a.queries  # overloaded: something was dropped
+    spawned = np.isfinite(sim.arr_t)
+    for r_id in range(len(sim.arr_t)):
+        c0, nc = w.dq_i[r_id, E.DQ_C0], w.dq_i[r_id, E.DQ_NC]
+        if nc == 0:
+            continue
+        kids = spawned[c0:c0 + nc]
+        assert kids.all() == kids.any()  # a parent's children arrive together or not at all
+        if kids.any():
+            assert sim.r_state[r_id] == E.R_SERVED
+            assert np.all(sim.arr_t[c0:c0 + nc] >= sim.r_end[r_id])
+        elif mode == "chain" and spawned[r_id]:
+            # a client chaining by hand goes on whenever it gets an answer
+            assert sim.r_state[r_id] != E.R_SERVED
+    if mode == "chain":
+        assert not np.any(sim.r_state == E.R_CANCELLED)
+    # nothing left behind: every spawned request ended one way or another
+    assert not np.any(sim.r_state[spawned] == E.R_PENDING)
+
+
+@pytest.mark.parametrize("mode", ["split", "e2e", "chain"])
+def test_light_load_meets_the_end_to_end_slo_in_every_mode(plans, mode):
+    _, _, r = _run(plans["tree"], mode, 0.2, duration=6.0)
+    a = r.apps[0]
+    assert a.attainment >= 0.99
+    assert a.p99_ms <= plans["tree"].apps[0].slo_us / 1e3
+
+
+def test_a_query_without_children_is_done_when_its_root_is(plans):
+    plan = plans["chain"]
+    app = plan.apps[0]
+    sparse = replace(app, stages=(app.stages[0], replace(app.stages[1], fanout=0.05)))
+    plan.apps = [sparse]
+    try:
+        sim, w, r = _run(plan, "e2e", 0.3)
+    finally:
+        plan.apps = [app]
+    lonely = [q for q in range(len(w.q_root)) if w.qm0[q + 1] - w.qm0[q] == 1]
+    assert len(lonely) > 0.8 * len(w.q_root)
+    roots = w.q_root[lonely]
+    served = sim.r_state[roots] == E.R_SERVED
+    assert served.mean() > 0.99
+    assert r.apps[0].ok >= int(served.sum())
+
+
+def test_same_seed_same_numbers(plans):
+    r1 = simulate_apps(plans["chain"], PROFILES, 1.2, "e2e", duration_s=2.0, seed=3)
+    r2 = simulate_apps(plans["chain"], PROFILES, 1.2, "e2e", duration_s=2.0, seed=3)
+    assert r1.to_json(speed=False) == r2.to_json(speed=False)
+    assert r1.to_json(speed=False)["apps"][0]["queries"] > 0
+
+
+def test_bad_requests_of_the_workload_are_named(plans):
+    plan = plans["chain"]
+    lay = Layout.from_plan(plan, PROFILES)
+    with pytest.raises(InputError, match="no app 'nope'"):
+        app_workload(plan, lay, {"nope": 10.0}, 1.0, 0)
+    with pytest.raises(InputError, match="deadline mode"):
+        app_workload(plan, lay, {"q": 10.0}, 1.0, 0, mode="fastest")
+    unsplit = replace(plan.apps[0], stages=tuple(replace(st, budget_us=0.0) for st in plan.apps[0].stages))
+    saved = plan.apps
+    plan.apps = [unsplit]
+    try:
+        with pytest.raises(InputError, match="no SLO split"):
+            app_workload(plan, lay, {"q": 10.0}, 1.0, 0, mode="split")
+    finally:
+        plan.apps = saved
