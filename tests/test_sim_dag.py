@@ -108,3 +108,23 @@ def test_bad_requests_of_the_workload_are_named(plans):
             app_workload(plan, lay, {"q": 10.0}, 1.0, 0, mode="split")
     finally:
         plan.apps = saved
+
+
+def test_sim_command_runs_a_plan_with_apps(plans, tmp_path, capsys):
+    import json
+
+    from ppiped.cli import main as cli
+    from ppiped.plan import save_plan
+    from ppiped.profiles import save_profile
+
+    for p in PROFILES.values():
+        save_profile(p, tmp_path / f"{p.model}.json")
+    save_plan(plans["chain"], tmp_path / "plan.json")
+    base = ["sim", "--plan", str(tmp_path / "plan.json"), "--profiles", str(tmp_path), "--duration", "2"]
+    assert cli([*base, "--load-factor", "1.0", "--app-deadlines", "split", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"] == "ppipe-early-drop" and out["app_deadlines"] == "split"
+    (a,) = out["apps"]
+    assert a["app"] == "q" and a["queries"] > 0
+    assert cli([*base, "--rate", "100"]) == 2
+    assert "--load-factor" in capsys.readouterr().err

@@ -23,7 +23,9 @@ def add_world_args(p: argparse.ArgumentParser) -> None:
                         "rate/native-rate windows of the trace as the PPipe artifact does (fold)")
     p.add_argument("--duration", type=float, default=30.0, help="simulated seconds of arrivals (default 30)")
     p.add_argument("--seed", type=int, default=0, help="seeds the trace and the latency jitter")
-    p.add_argument("--policy", default="ppipe", help="ppipe (reservations), reactive, ppipe-early-drop, pard")
+    p.add_argument("--policy", default=None,
+                   help="ppipe (reservations, the default), reactive, ppipe-early-drop, pard (plans with apps: "
+                        "the deadline mode's, see --app-deadlines)")
     p.add_argument("--high-share", type=float, default=0.0, metavar="F",
                    help="share of requests in the high priority class (default 0); reported per class")
     p.add_argument("--jitter", type=float, default=None, metavar="SIGMA",
@@ -41,6 +43,8 @@ def options_from(args: argparse.Namespace, **kw):
     from ..core.scheduler import POLICIES
     from ..sim.run import DEFAULT_SIGMA, SimOptions
 
+    if args.policy is None:
+        args.policy = "ppipe"
     if args.policy not in POLICIES:
         raise InputError(f"unknown --policy {args.policy!r} (known: {', '.join(POLICIES)})")
     sigma = DEFAULT_SIGMA if args.jitter is None else args.jitter
@@ -60,6 +64,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--rate", type=float, help="total requests/s, split across models by the plan's weights")
     g.add_argument("--load-factor", type=float, help="each model at F x its throughput in the base plan")
+    p.add_argument("--app-deadlines", choices=("split", "e2e", "chain"), default="e2e",
+                   help="plans with apps: stage deadlines from the SLO split (Nexus; policy "
+                        "ppipe-early-drop), the query's end-to-end budget (PARD; pard, the default) or "
+                        "each stage's budget from its submission (hand-chained; ppipe)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--plot", metavar="FILE", help="write a per-vGPU timeline of batches (PNG)")
     p.add_argument("--plot-window", type=float, nargs=2, metavar=("FROM_MS", "TO_MS"),
@@ -76,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     profiles = load_profiles(args.profiles, [m.model for m in plan.models])
     names = [m.model for m in plan.models]
+    if plan.apps:
+        return _run_apps(args, plan, profiles)
     if args.rate is not None:
         if args.rate <= 0:
             raise InputError(f"--rate must be > 0, got {args.rate}")
@@ -111,6 +121,29 @@ def run(args: argparse.Namespace) -> int:
         print(res.summary())
         if args.plot:
             print(f"timeline: {args.plot}")
+    return 0
+
+
+def _run_apps(args: argparse.Namespace, plan, profiles) -> int:
+    """A plan with apps: each app at ``--load-factor`` × its planned query rate (plain models at
+    theirs), its stages spawned as their parents finish."""
+    from ..sim.dag import SYSTEMS, simulate_apps
+
+    if args.load_factor is None:
+        raise InputError("a plan with apps is loaded by --load-factor (x each app's planned query rate)")
+    if args.load_factor <= 0:
+        raise InputError(f"--load-factor must be > 0, got {args.load_factor}")
+    if args.plot or args.high_share:
+        raise InputError("--plot and --high-share are not supported for plans with apps yet")
+    policy = args.policy or dict(SYSTEMS.values())[args.app_deadlines]
+    args.policy = policy
+    opt = options_from(args)
+    res = simulate_apps(plan, profiles, args.load_factor, args.app_deadlines, policy, args.duration, args.seed,
+                        opt.sigma, args.trace, args.cv)
+    if args.json:
+        print(json.dumps(_finite(res.to_json())))
+    else:
+        print(res.summary())
     return 0
 
 
