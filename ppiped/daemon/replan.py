@@ -185,7 +185,9 @@ class Replanner:
                 await asyncio.sleep(0.002)
                 if renice_children(PLANNER) or task.done():
                     break
-            return await task
+            plan = await task
+            plan.apps = list(srv.plan.apps)  # every model keeps its SLO, so the stage budgets hold
+            return plan
         except asyncio.CancelledError:  # shutdown: do not leave the thread waiting on CBC
             for pid in children(PLANNER):
                 with contextlib.suppress(OSError):
