@@ -1294,7 +1294,8 @@ def stage_estimate(A, F, m, n, now):
     """How long from ``now`` until ``n`` new requests of model ``m`` could be done: the best
     pipeline's probe at their batch size (up to its planned one), behind the requests already
     queued for ``m`` and those of the ``n`` past one batch (each taking the planned gap between
-    arrivals, the model's planned throughput). A query's upstream stage subtracts this for its
+    arrivals, the model's planned throughput), and under PARD's pressure the room the model
+    then keeps before its deadlines. A query's upstream stage subtracts this for its
     downstream stages from the query's deadline (PARD's estimate of the whole remaining path)."""
     o_mp = off(A, X_MODEL_PIPE0)
     o_bs = off(A, X_PIPE_BS)
@@ -1311,6 +1312,9 @@ def stage_estimate(A, F, m, n, now):
             best = x
     o_qs = off(A, X_Q_SIZE)
     q = A[o_qs + m] + A[o_qs + _hiq(A, m)]
+    if A[H_PARD] != 0 and F[off(A, X_Q_HBF) + m] > now:
+        # under pressure PARD books m's requests its room ahead of their deadlines
+        best += F[off(A, X_M_ROOM) + m]
     return best + q * gap
 
 
