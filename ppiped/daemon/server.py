@@ -389,9 +389,7 @@ class Server:
         try:
             self.client = self._bind(zmq.ROUTER, cfg.client, "endpoints.client",
                                      max_frame=max(cfg.max_payload_bytes, wire.MAX_HEADER_BYTES),
-                                     domain="client")
-            self.client.setsockopt(zmq.SNDHWM, 0)
-            self.client.setsockopt(zmq.RCVHWM, 0)
+                                     domain="client", unlimited=True)
             self.exe = self._bind(zmq.ROUTER, cfg.executor, "endpoints.executor", mandatory=True,
                                   domain="executor")
             self.ctl = self._bind(zmq.ROUTER, cfg.ctl, "endpoints.ctl", max_frame=wire.MAX_HEADER_BYTES,
@@ -453,12 +451,20 @@ class Server:
         self.zctx.destroy(0)
 
     def _bind(self, kind: int, ep: str, key: str, mandatory: bool = False,
-              max_frame: int = -1, domain: str = "") -> zmq.Socket:
+              max_frame: int = -1, domain: str = "", unlimited: bool = False) -> zmq.Socket:
         """A bound socket; ``max_frame``: ZMQ_MAXMSGSIZE, so libzmq drops a peer that sends a
         larger frame before allocating it (the payload check after receipt comes too late);
-        ``domain``: its CURVE allow-list when ``security.curve`` is on."""
+        ``domain``: its CURVE allow-list when ``security.curve`` is on; ``unlimited``: no high
+        water marks (a ROUTER drops what it sends past a peer's HWM: a reply must never be lost
+        to a client that reads slowly).
+
+        Every option is set before ``bind``: libzmq's listener copies the socket's options when
+        it is made, and the connections it accepts take theirs from that copy."""
         s = self.zctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
+        if unlimited:
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
         serve(s, self.cfg.security, domain)
         if max_frame > 0:
             s.setsockopt(zmq.MAXMSGSIZE, max_frame + 4096)
