@@ -11,6 +11,10 @@ Blocking (any thread; the socket lives on a private event-loop thread)::
     with Client("tcp://127.0.0.1:5555") as c:
         r = c.submit("resnet50", frame_bytes)
 
+Apps (multi-model queries the plan defines): ``await c.submit_query("plates", frame)`` returns a
+:class:`QueryResult` with the leaf stages' outputs (every stage's with ``stages=True``); a query
+that fails raises the same errors, with ``stage`` naming where it failed.
+
 Errors: :class:`Dropped` (accepted, then not served in time: ``reason`` says why),
 :class:`Rejected` (never admitted: unknown model, oversize payload, overloaded, bad input), and
 ``TimeoutError`` when no reply came within the client's timeout (the scheduler answers every
@@ -42,12 +46,20 @@ Callback = Callable[[int, int, str, Any, Any], None]  # (id, status, reason, fra
 
 
 class RequestError(Exception):
-    """Base of the typed errors a request can end with; ``reason`` is a stable code."""
+    """Base of the typed errors a request can end with; ``reason`` is a stable code. A query's
+    error names its ``app`` and the ``stage`` it failed at ("" when it never started); ``detail``
+    may say more."""
 
-    def __init__(self, reason: str, model: str = "") -> None:
-        super().__init__(f"{reason}" + (f" (model {model})" if model else ""))
+    def __init__(self, reason: str, model: str = "", stage: str = "", detail: str = "", app: str = "") -> None:
+        where = f"app {app}" if app else (f"model {model}" if model else "")
+        if stage:
+            where += f", stage {stage}"
+        super().__init__(f"{reason}" + (f" ({where})" if where else "") + (f": {detail}" if detail else ""))
         self.reason = reason
         self.model = model
+        self.app = app
+        self.stage = stage
+        self.detail = detail
 
 
 class Dropped(RequestError):
@@ -84,14 +96,46 @@ class Result:
         return f"Result({len(self.data)} bytes, meta={self.meta})"
 
 
+class StageOutput(Result):
+    """One output of a query: the ``stage`` whose request made it and that request's ``key`` in
+    the query's tree (the root's is ``()``; the j-th input a glue call made of request ``k`` is
+    ``k + (j,)``)."""
+
+    __slots__ = ("stage", "key")
+
+    def __init__(self, stage: str, key: tuple[int, ...], data: bytes, meta: Any) -> None:
+        super().__init__(data, meta)
+        self.stage = stage
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"StageOutput({self.stage}{list(self.key)}, {len(self.data)} bytes)"
+
+
+class QueryResult:
+    """A query's answer: ``outputs``, the leaf stages' outputs ordered by stage (as the app lists
+    them), then by key; ``stages``: every stage's outputs by stage name when asked for (else None)."""
+
+    __slots__ = ("outputs", "stages")
+
+    def __init__(self, outputs: list[StageOutput], stages: dict[str, list[StageOutput]] | None) -> None:
+        self.outputs = outputs
+        self.stages = stages
+
+    def __repr__(self) -> str:
+        return f"QueryResult({len(self.outputs)} outputs)"
+
+
 # Retry of sends a DEALER could not take (no scheduler connected).
 _RETRY_S = 0.005
 # A scheduler silent this long (no PONG while requests are pending) is taken for gone.
 UNREACHABLE_S = 2.0
 
 
-def error_for(status: int, reason: str, model: str = "") -> RequestError:
-    return Rejected(reason, model) if status == Status.REJECTED else Dropped(reason, model)
+def error_for(status: int, reason: str, model: str = "", stage: str = "", detail: str = "",
+              app: str = "") -> RequestError:
+    cls = Rejected if status == Status.REJECTED else Dropped
+    return cls(reason, model, stage, detail, app)
 
 
 class AsyncClient:
@@ -123,7 +167,9 @@ class AsyncClient:
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._pending: dict[int, Callback] = {}
+        self._queries: dict[int, Callable[[int, str, str, str, list, list], None]] = {}
         self._out: dict[tuple[str, int, int], tuple[list[int], list]] = {}
+        self._qout: list[list] = []  # QUERY messages waiting to be sent
         self._flush_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: Reader | None = None
@@ -137,7 +183,7 @@ class AsyncClient:
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._queries)
 
     def _attach(self) -> asyncio.AbstractEventLoop:
         loop = self._loop
@@ -152,7 +198,7 @@ class AsyncClient:
     def _watch(self) -> None:
         """Ping while requests are pending; end them all if the scheduler restarted or went silent."""
         now = time.monotonic()
-        if self._pending:
+        if self._pending or self._queries:
             if now - self._heard > max(UNREACHABLE_S, 4 * self.watch_s):
                 self._end_all(wire.DAEMON_UNREACHABLE)
                 self._heard = now
@@ -169,6 +215,9 @@ class AsyncClient:
         pending, self._pending = self._pending, {}
         for rid, cb in pending.items():
             cb(rid, Status.DROPPED, reason, None, None)
+        queries, self._queries = self._queries, {}
+        for qcb in queries.values():
+            qcb(Status.DROPPED, reason, "", "", [], [])
 
     # --- submitting ---------------------------------------------------------------------------
 
@@ -202,6 +251,13 @@ class AsyncClient:
         self._flush_scheduled = False
         out, self._out = self._out, {}
         sock = self._sock
+        while self._qout:
+            q = self._qout[0]
+            try:
+                send_parts(sock, [wire.query(*q[0], sent_us=now_us()), q[1]], zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._qout.pop(0)
         for (model, slo_us, prio), (ids, frames) in out.items():
             for i in range(0, len(ids), self.max_ids):
                 chunk = ids[i:i + self.max_ids]
@@ -213,7 +269,7 @@ class AsyncClient:
                     q[0].extend(ids[i:])
                     q[1].extend(frames[i:])
                     break
-        if self._out and not self._flush_scheduled:
+        if (self._out or self._qout) and not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_later(_RETRY_S, self.flush)
         if self._reader is not None:
@@ -252,6 +308,53 @@ class AsyncClient:
             except RequestError as e:
                 out.append(e)
         return out
+
+    async def submit_query(self, app: str, frame: Any, slo_ms: float | None = None, stages: bool = False,
+                           priority: int = 0, timeout_s: float | None = -1.0) -> QueryResult:
+        """Serve ``frame`` with ``app``, a tree of models with one end-to-end SLO (the plan's apps;
+        ``info()["apps"]`` lists them). ``slo_ms``: at most the app's (its default).
+        ``stages``: also return every stage's outputs (:attr:`QueryResult.stages`).
+        ``priority`` 1: the high class for every stage request.
+
+        Returns a :class:`QueryResult` with the leaf stages' outputs (none when glue made no
+        children). Raises :class:`Rejected` (unknown-app, malformed, bad-input, overloaded, ...)
+        or :class:`Dropped` (deadline, early-drop, no-capacity, glue-error, glue-timeout, failed,
+        ...), each naming the app and the ``stage`` it failed at, or TimeoutError (no answer
+        within ``timeout_s``; -1: the client's timeout)."""
+        loop = self._attach()
+        if priority not in (0, 1):
+            raise ValueError(f"priority must be 0 (low) or 1 (high), got {priority!r}")
+        fut = loop.create_future()
+        qid = next(self._ids)
+
+        def done(status: int, reason: str, stage: str, detail: str, entries: list, frames: list) -> None:
+            if fut.done():
+                return
+            if status != Status.OK:
+                fut.set_exception(error_for(status, reason, "", stage, detail, app))
+                return
+            outs: list[StageOutput] = []
+            by: dict[str, list[StageOutput]] = {}
+            for e, f in zip(entries, frames):  # noqa: B905 - checked by the reader
+                o = StageOutput(e[0], tuple(e[1]), f.bytes if hasattr(f, "bytes") else bytes(f), e[3])
+                by.setdefault(o.stage, []).append(o)
+                if e[2]:
+                    outs.append(o)
+            fut.set_result(QueryResult(outs, by if stages else None))
+
+        self._queries[qid] = done
+        slo_us = 0 if slo_ms is None else max(1, int(slo_ms * 1000))
+        self._qout.append([(app, slo_us, qid, stages, priority), frame])
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self.flush)
+        t = self.timeout_s if timeout_s == -1.0 else timeout_s
+        try:
+            return await asyncio.wait_for(fut, t) if t is not None else await fut
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no answer from {self.endpoint} within {t} s") from None
+        finally:
+            self._queries.pop(qid, None)
 
     async def info(self, timeout_s: float = 5.0) -> dict:
         """Ask the scheduler what it serves: models with their SLOs, limits, protocol version."""
@@ -294,6 +397,17 @@ class AsyncClient:
                     cb = pending.pop(rid, None)
                     if cb is not None:
                         cb(rid, status, reason, None, None)
+        elif t == T.ANSWER:
+            _, _, qid, status, reason, stage, detail, entries = h
+            qcb = self._queries.pop(qid, None)
+            if qcb is None:
+                return
+            if status == Status.OK and (len(msg) - 1 != len(entries) or not all(
+                    type(e) is list and len(e) == 4 and type(e[0]) is str and type(e[1]) is list
+                    for e in entries)):
+                qcb(Status.DROPPED, wire.MALFORMED, "", "ANSWER outputs do not match its frames", [], [])
+                return
+            qcb(status, reason, stage, detail, entries, msg[1:])
         elif t == T.PONG:
             self._heard = time.monotonic()
             epoch = h[3].get("epoch")
@@ -348,6 +462,12 @@ class Client:
     def submit_many(self, model: str, frames: Sequence[Any], slo_ms: float | None = None,
                     priority: int = 0) -> list[Result | RequestError]:
         return self._call(self._ac.submit_many(model, frames, slo_ms, priority))
+
+    def submit_query(self, app: str, frame: Any, slo_ms: float | None = None, stages: bool = False,
+                     priority: int = 0, timeout_s: float | None = -1.0) -> QueryResult:
+        """As :meth:`AsyncClient.submit_query`: a :class:`QueryResult`, or raises
+        :class:`Dropped` / :class:`Rejected` (with the ``stage``) / TimeoutError."""
+        return self._call(self._ac.submit_query(app, frame, slo_ms, stages, priority, timeout_s))
 
     def info(self, timeout_s: float = 5.0) -> dict:
         return self._call(self._ac.info(timeout_s))

@@ -151,7 +151,7 @@ def status(srv: Server) -> dict[str, Any]:
             "models": models, "queued": len(srv.reqs),
             "in_flight_batches": sum(1 for b in srv.batches.values() if not b.answered),
             "vgpus": {"total": srv.nv, "alive": alive, "missing": format_ranges(missing_vgpus(srv))},
-            "executors": executors(srv), "missing": missing(srv),
+            "executors": executors(srv), "missing": missing(srv), "apps": srv.queries.status(),
             "replan": {"running": srv.replanner.busy, "auto": srv.cfg.replan_auto, "last": srv.replanner.last,
                        "history": srv.replanner.history, "min_interval_s": srv.cfg.replan_min_interval_s}}
 

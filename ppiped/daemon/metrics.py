@@ -130,6 +130,7 @@ def render(srv: Server) -> str:
     head("ppiped_queue_depth", "gauge", "Requests waiting in the scheduler's queue.")
     for i, n in enumerate(names):
         lines.append(f"ppiped_queue_depth{_labels(model=n)} {srv.core.pending(i)}")
+    _app_lines(srv, head, lines)
     head("ppiped_dispatch_decision_seconds", "histogram", "Time of one scheduling decision (core.decide).")
     lines.extend(m.decide.lines("ppiped_dispatch_decision_seconds"))
     head("ppiped_vgpu_busy_ratio", "gauge", "Share of time each vGPU ran batches since the plan took effect.")
@@ -154,6 +155,33 @@ def render(srv: Server) -> str:
     for r, v in sorted(m.replans.items()):
         lines.append(f"ppiped_replans_total{_labels(result=r)} {v}")
     return "\n".join(lines) + "\n"
+
+
+def _app_lines(srv: Server, head: Any, lines: list[str]) -> None:
+    """Per app (multi-model queries): queries by outcome, drops by stage and reason, GPU time."""
+    stats = srv.queries.stats
+    if not stats:
+        return
+    head("ppiped_app_queries_total", "counter",
+         "Queries by outcome: offered, accepted, ok, late (ok after the deadline), rejected.")
+    for a, s in stats.items():
+        for outcome, v in (("offered", s.offered), ("accepted", s.accepted), ("ok", s.ok), ("late", s.ok_late),
+                           ("rejected", sum(s.rejected.values()))):
+            lines.append(f"ppiped_app_queries_total{_labels(app=a, outcome=outcome)} {v}")
+    head("ppiped_app_drops_total", "counter", "Queries that failed, by the stage they failed at and why.")
+    for a, s in stats.items():
+        for stage, d in s.dropped.items():
+            for reason, v in sorted(d.items()):
+                lines.append(f"ppiped_app_drops_total{_labels(app=a, stage=stage, reason=reason)} {v}")
+    head("ppiped_app_stage_requests_total", "counter", "Stage requests submitted, by stage.")
+    for a, s in stats.items():
+        for stage, v in s.stage_requests.items():
+            lines.append(f"ppiped_app_stage_requests_total{_labels(app=a, stage=stage)} {v}")
+    head("ppiped_app_gpu_seconds_total", "counter",
+         "GPU time of the apps' stage requests: valid, or spent on queries that failed or were late.")
+    for a, s in stats.items():
+        lines.append(f"ppiped_app_gpu_seconds_total{_labels(app=a, use='valid')} {(s.gpu_us - s.invalid_us) / 1e6:.6g}")
+        lines.append(f"ppiped_app_gpu_seconds_total{_labels(app=a, use='invalid')} {s.invalid_us / 1e6:.6g}")
 
 
 class MetricsServer:

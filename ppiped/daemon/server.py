@@ -93,6 +93,7 @@ class Req:
     retry keeps it); one is made per request, so the constructor is kept to plain stores."""
 
     __slots__ = ("ident", "cid", "frame", "model", "arrival", "deadline", "retried", "prio", "share")
+    query = None  # a stage request of a query (apps.StageReq) has one
 
     def __init__(self, ident: bytes, cid: int, frame: Any, model: int, arrival: int, deadline: int,
                  prio: int, share: Share) -> None:
@@ -232,7 +233,8 @@ class Server:
                                     for s in [cfg.executor_defaults, *cfg.executors.values()])
         if opts:
             raise ConfigError(f"{cfg.source}: scheduler: unknown key(s) {', '.join(sorted(opts))} "
-                              "(known: policy, min_wait_us, wait_guard_us, class_room, pressure_room)")
+                              "(known: policy, min_wait_us, wait_guard_us, class_room, pressure_room, "
+                              "app_deadlines)")
         self.policy_name, self.core_kw, self.profiles = policy, kw, profiles
         try:
             self.core = Scheduler(plan, profiles, policy=policy, **kw)
@@ -298,6 +300,9 @@ class Server:
         self._warned: dict[str, int] = {}  # warning kind -> µs when last logged (rate limit)
         # Differs on every start: clients that see it change know their pending requests are gone.
         self.epoch = int.from_bytes(os.urandom(6), "big")
+        from .apps import Queries  # (it builds on this module's Req)
+
+        self.queries = Queries(self)  # the plan's apps: multi-model queries
 
     def _model_limits(self) -> None:
         """Per-model SLO and input size: the config's [models.NAME] overrides, else the plan's SLO."""
@@ -338,6 +343,10 @@ class Server:
             log.info("models-changed", added=",".join(m for m in names if m not in by) or "-",
                      removed=",".join(m for m in old if m not in self.model_index) or "-")
         self._model_limits()
+        try:
+            self.queries.install(plan.apps)
+        except ConfigError as e:  # served as before: the old apps (their stages fail where a model went)
+            log.warning("apps-not-installed", error=str(e))
         self.assignments = [self._assignment(v) for v in range(self.nv)]
         self.vgpu_exec = [None] * self.nv
         for ex in self.execs.values():  # vGPUs the new plan lacks keep their executor on standby
@@ -384,6 +393,7 @@ class Server:
             if bad := unavailable_cpus(cpus):
                 raise ConfigError(f"{cfg.source}: {key}: CPU {', '.join(map(str, bad))} not available to "
                                   f"this process (it may run on {format_ranges(sorted(os.sched_getaffinity(0)))})")
+        self.queries.start()  # glue workers, before anything listens: an import error stops us here
         self.zctx = zmq_context(cfg.io_threads, cfg.io_cpus)
         self.auth = start_authenticator(self.zctx, cfg.security)
         try:
@@ -396,6 +406,7 @@ class Server:
                                   domain="ctl")
         except ConfigError:
             self._close_zmq()
+            self.queries.close()
             raise
         if cfg.loop_cpus:  # after the sockets: ZeroMQ's threads keep the process's CPUs or io_cpus
             pin_this_thread(cfg.loop_cpus)
@@ -498,6 +509,7 @@ class Server:
                 self._drop_reqs(list(b.reqs.values()), wire.SHUTDOWN)
                 b.reqs.clear()
                 b.answered = True
+        self.queries.close()  # queries waiting on glue
         await asyncio.sleep(0.05)  # let the replies leave
         if self.replanner.busy and self.replanner.task is not None:
             self.replanner.task.cancel()
@@ -536,17 +548,23 @@ class Server:
             h = wire.decode(msg[1])
         except wire.ProtocolError as e:
             self.counters["malformed"] += 1
-            send_parts(self.client, [ident, wire.error(e.code, str(e))])
+            qid = wire.query_id(msg[1])  # a QUERY's error is its ANSWER, so its client hears of it
+            send_parts(self.client, [ident, wire.error(e.code, str(e)) if qid is None else
+                                     wire.answer(qid, Status.REJECTED, e.code, "", str(e))])
             return
         kind = h[1]
         if kind == T.SUBMIT:
             self.on_submit(ident, h, msg, t)
+        elif kind == T.QUERY:
+            self.queries.on_query(ident, h, msg, t)
         elif kind == T.PING:
             info = {"version": wire.VERSION, "epoch": self.epoch,
                     "models": {m: self._model_info(i) for i, m in enumerate(self.model_names)},
                     "max_payload_bytes": self.cfg.max_payload_bytes,
                     "max_ids_per_message": self.cfg.max_ids_per_message,
                     "vgpus_alive": self.alive_vgpus()}
+            if self.queries.apps:
+                info["apps"] = self.queries.info()
             send_parts(self.client, [ident, wire.pong(h[2], info)])
         else:
             self.counters["malformed"] += 1
@@ -782,6 +800,9 @@ class Server:
         """Reply DROPPED to each request, one message per client."""
         by: dict[bytes, list[int]] = defaultdict(list)
         for r in reqs:
+            if r.query is not None:
+                self.queries.stage_dropped(r, self.stats[r.model].dropped, reason)
+                continue
             by[r.ident].append(r.cid)
             self._end_unserved(r, self.stats[r.model].dropped, reason)
         for ident, cids in by.items():
@@ -833,6 +854,9 @@ class Server:
                 if r is None:
                     continue
                 reason = wire.EXECUTOR_LOST if r.retried else DROP_REASONS.get(w, wire.DEADLINE)
+                if r.query is not None:
+                    self.queries.stage_dropped(r, self.stats[r.model].dropped, reason)
+                    continue
                 self._end_unserved(r, self.stats[r.model].dropped, reason)
                 by[(r.ident, reason)].append(r.cid)
             for (ident, reason), cids in by.items():
@@ -951,12 +975,14 @@ class Server:
         t = now_us()
         late = []
         for r in reqs:
-            if r.deadline <= t:
+            if r.deadline <= t or (r.query is not None and r.query.answered):
                 late.append(r)
                 continue
             r.retried = True
             rid = self.next_rid
             self.next_rid += 1
+            if r.query is not None:
+                r.rid = rid
             self.reqs[rid] = r
             self.core.submit(rid, r.model, float(r.arrival), float(r.deadline), r.prio)
             self.counters["retried"] += 1
@@ -1190,6 +1216,7 @@ class Server:
         # GPU time per request of this batch, from the hops measured so far
         per = sum(x[2] - x[1] for x in b.times if x is not None) / (b.size or 1)
         wasted = 0
+        staged: list = []  # stage requests of queries: (request, frame, late)
         if ids:
             by: dict[bytes, tuple[list[int], list]] = {}
             for rid, f in zip(ids, frames):  # noqa: B905
@@ -1204,6 +1231,9 @@ class Server:
                     wasted += 1
                 elif r.prio:
                     st.high[1] += 1
+                if r.query is not None:
+                    staged.append((r, f, t > r.deadline))
+                    continue
                 e = by.get(r.ident)
                 if e is None:
                     e = by[r.ident] = ([], [])
@@ -1216,6 +1246,11 @@ class Server:
                 st.gpu_us += per * len(cids)
             st.ok_late += wasted
             st.invalid_us += per * wasted
+            for r, f, late in staged:
+                st.ok += 1
+                st.answered += 1
+                st.gpu_us += per
+                self.queries.stage_result(r, f, meta, per, late)
         if failed:
             for i in range(0, len(failed) - 1, 2):
                 r = b.reqs.pop(failed[i], None)
@@ -1227,6 +1262,10 @@ class Server:
                 code = text.split(":", 1)[0]
                 status = Status.REJECTED if code == wire.BAD_INPUT else Status.DROPPED
                 reason = wire.BAD_INPUT if status == Status.REJECTED else code
+                if r.query is not None:
+                    self.queries.stage_dropped(r, st.rejected if status == Status.REJECTED else st.dropped,
+                                               reason, text)
+                    continue
                 self._end_unserved(r, st.rejected if status == Status.REJECTED else st.dropped, reason)
                 send_parts(self.client, [r.ident, wire.reply([r.cid], status, reason, text)])
         if not b.reqs:
@@ -1448,6 +1487,6 @@ class Server:
             "queued": len(self.reqs), "clients": len(self.peers), "overhead_us": self.overhead_us(),
             "wake_late_us": self._pcts(self.wake_late, self.n_wake),
             "shed_us": self._pcts(self.shed_us, self.n_shed), "counters": dict(self.counters),
-            "core": self.core.stats(), "totals": self._totals(),
+            "core": self.core.stats(), "totals": self._totals(), "apps": self.queries.status(),
         }
 

@@ -60,6 +60,10 @@ from typing import Any
 
 import numpy as np
 
+from .. import logs
+
+log = logs.get("ppiped.glue")
+
 Done = Callable[[list[bytes] | None, str, str], None]  # (children or None, reason, detail)
 
 GLUE_ERROR = "glue-error"  # as ppiped.wire's (the worker side does not import the wire)
@@ -417,7 +421,10 @@ class GluePool:
     @staticmethod
     def _end(c: _Call, out: list[bytes] | None, reason: str, detail: str) -> None:
         c.data = c.frame = b""
-        c.done(out, reason, detail)
+        try:
+            c.done(out, reason, detail)
+        except Exception:  # the caller's bug must not wedge the pool (its queue would stall)
+            log.error("glue-callback-failed", exc=True, ref=c.ref)
 
     def close(self) -> None:
         """Answer every waiting and running call ``shutdown`` and stop the workers."""
