@@ -223,6 +223,182 @@ def test_glue_import_error_stops_the_daemon_at_start():
     assert "AttributeError" in p.stderr
 
 
+# --- the server's query path in one process (a fake clock, a stub glue pool) -----------------------
+
+
+class _StubPool:
+    """Stands in for the glue workers: the test answers each call when it likes."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def call(self, ref, data, meta, frame, spec, done, deadline_us=0) -> None:
+        self.calls.append((data, frame, spec, done))
+
+    def close(self) -> None:
+        pass
+
+    def status(self) -> dict:
+        return {"calls": len(self.calls)}
+
+
+class _Idle:
+    busy_since = 0
+
+    def kick(self) -> None:
+        pass
+
+    def drain_now(self) -> None:
+        pass
+
+
+class AppRig:
+    """A Server serving the two-stage app over inproc sockets, with one executor peer for all
+    vGPUs and a clock that moves only when told to."""
+
+    def __init__(self, d: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        from ppiped.commands.serve import load_serving
+        from ppiped.daemon import apps as A
+        from ppiped.daemon import server as S
+        from ppiped.daemon.config import load_config
+        from ppiped.daemon.loop import Timers
+
+        self.t = 1_000_000
+        monkeypatch.setattr(S, "now_us", lambda: self.t)
+        monkeypatch.setattr(A, "now_us", lambda: self.t)
+        plan, profiles = write_app_plan(d, [app_json()])
+        cfg = load_config(write_config(d, plan, profiles))
+        srv = self.srv = S.Server(cfg, *load_serving(cfg))
+        self.pool = srv.queries.pool = _StubPool()
+        self.ctx = ctx = zmq.Context()
+        srv.zctx, srv.loop = ctx, asyncio.new_event_loop()
+        srv.client = ctx.socket(zmq.ROUTER)
+        srv.client.bind(f"inproc://qc-{id(self)}")
+        srv.exe = ctx.socket(zmq.ROUTER)
+        srv.exe.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        srv.exe.bind(f"inproc://qe-{id(self)}")
+        srv.timers = Timers(srv.loop)
+        srv.client_reader = srv.exe_reader = _Idle()
+        self.cl = ctx.socket(zmq.DEALER)
+        self.cl.connect(f"inproc://qc-{id(self)}")
+        self.ex = ctx.socket(zmq.DEALER)
+        self.ex.setsockopt(zmq.IDENTITY, b"E")
+        self.ex.connect(f"inproc://qe-{id(self)}")
+        self.ex.send(b"hello")
+        assert srv.exe.poll(1000)
+        srv.exe.recv_multipart()
+        srv.on_register(b"E", wire.decode(wire.register(list(range(srv.nv)), "inproc://d", "emulate", 1, self.t, 1)))
+        srv.ready(srv.execs[b"E"])
+        self.drain(self.ex)
+
+    @staticmethod
+    def drain(sock: zmq.Socket) -> list[list]:
+        out = []
+        while sock.poll(0):
+            out.append(sock.recv_multipart())
+        return out
+
+    def query(self, qid: int, frame: bytes) -> None:
+        from ppiped.daemon.loop import recv_parts
+
+        self.cl.send_multipart([wire.query("pair", 0, qid), frame])
+        assert self.srv.client.poll(1000)
+        self.srv.on_client(recv_parts(self.srv.client, 0))
+        self.srv.after_clients()
+
+    def dispatched(self, until_us: int | None = None) -> list[tuple[list, list]]:
+        """Move the clock (by default to when the core asked to be woken) and let the core
+        dispatch: the DISPATCH headers and frames sent."""
+        self.t = int(self.srv.wake_at) + 1 if until_us is None else until_us
+        self.srv.decide(self.t)
+        return [(wire.decode(m[0]), m[1:]) for m in self.drain(self.ex)]
+
+    def to_server(self, header: bytes, frames: list = ()) -> None:
+        from ppiped.daemon.loop import recv_parts
+
+        self.ex.send_multipart([header, *frames])
+        assert self.srv.exe.poll(1000)
+        self.srv.on_exec(recv_parts(self.srv.exe, 0))
+        self.srv.after_execs()
+
+    def finish(self, h: list, ok: list[int], failed: list = ()) -> None:
+        """Report batch ``h`` run (feedback on every hop), ``ok`` of its requests with a result."""
+        _, _, bid, path, starts, ids = h
+        fb = []
+        for hop, v in enumerate(path):
+            fb += [v, bid, hop, starts[hop], starts[hop], starts[hop] + 1000]
+        frames = [b"out-%d" % rid for rid in ok]
+        self.to_server(wire.result(bid, ok, None, list(failed), fb), frames)
+
+    def answers(self) -> list[tuple[list, list]]:
+        return [(wire.decode(m[0]), m[1:]) for m in self.drain(self.cl)]
+
+    def close(self) -> None:
+        self.srv.timers.close()
+        self.srv.loop.close()
+        self.ctx.destroy(0)
+
+
+def test_a_failed_child_fails_the_query_once_withdraws_queued_stages_and_discards_late_results(
+        tmp_path, monkeypatch):
+    rig = AppRig(tmp_path, monkeypatch)
+    srv = rig.srv
+    try:
+        rig.query(1, tg.frame(5))
+        [(h, frames)] = rig.dispatched()  # the root, at its last moment
+        assert frames[0] == tg.frame(5)
+        rig.finish(h, h[5])
+        [(data, frame, spec, done)] = rig.pool.calls
+        assert data == b"out-%d" % h[5][0] and frame == tg.frame(5) and spec.stage == "classify"
+        done([b"c%d" % j for j in range(5)], "", "")  # the children go to the core, which decides
+        cls = srv.model_index["cls"]
+        [(b1, f1)] = rig.dispatched(rig.t)  # one full batch (bs 4) at once, one child left queued
+        assert len(b1[5]) == 4 and len(set(f1)) == 4 and set(f1) < {b"c%d" % j for j in range(5)}
+        assert srv.core.pending(cls) == 1
+        rig.finish(b1, [], [b1[5][0], "executor-error: boom"])  # one child fails
+        [(a, af)] = rig.answers()
+        assert a[1] == T.ANSWER and a[2] == 1 and a[3] == Status.DROPPED and af == []
+        assert (a[4], a[5]) == (wire.FAILED, "classify") and "boom" in a[6]
+        assert srv.core.pending(cls) == 0 and not srv.reqs  # the queued child was withdrawn
+        assert srv.stats[cls].dropped["query-failed"] == 1
+        app = srv.queries.status()["apps"]["pair"]
+        assert app["gpu_s"] > 0 and app["invalid_gpu_s"] == app["gpu_s"]  # the root's, for nothing
+        rig.finish(b1, b1[5][1:])  # the batch's other children end: discarded
+        assert rig.answers() == []
+        st = srv.stats[cls]
+        assert st.accepted == st.answered == 5 and st.clients == 0
+        app2 = srv.queries.status()["apps"]["pair"]
+        assert app2["gpu_s"] > app["gpu_s"] and app2["invalid_gpu_s"] == app2["gpu_s"]
+        assert app2["dropped"] == {"classify": {"failed": 1}} and app2["ok"] == 0
+        assert srv.queries.status()["queries_in_flight"] == 0
+        from ppiped.daemon.metrics import render
+
+        text = render(srv)
+        assert 'ppiped_app_drops_total{app="pair",stage="classify",reason="failed"} 1' in text
+    finally:
+        rig.close()
+
+
+def test_a_query_whose_glue_makes_no_children_ends_with_its_root(tmp_path, monkeypatch):
+    rig = AppRig(tmp_path, monkeypatch)
+    try:
+        rig.query(7, tg.frame(0))
+        [(h, _)] = rig.dispatched()
+        rig.finish(h, h[5])
+        assert rig.answers() == []  # waiting on the glue
+        rig.pool.calls[0][3]([], "", "")
+        [(a, af)] = rig.answers()
+        assert a[2] == 7 and a[3] == Status.OK and a[7] == [] and af == []
+        rig.query(8, tg.frame(2))
+        [(h, _)] = rig.dispatched()
+        rig.finish(h, h[5])
+        rig.pool.calls[1][3](None, "glue-timeout", "slow")
+        [(a, _)] = rig.answers()
+        assert (a[2], a[3], a[4], a[5], a[6]) == (8, Status.DROPPED, "glue-timeout", "classify", "slow")
+    finally:
+        rig.close()
+
+
 # --- the daemon ---------------------------------------------------------------------------------
 
 

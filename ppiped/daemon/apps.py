@@ -482,8 +482,7 @@ class Queries:
         out: dict[str, Any] = {"deadlines": self.mode, "queries_in_flight": len(self.live),
                                "apps": {n: s.to_json() for n, s in self.stats.items()}}
         if self.pool is not None:
-            out["glue"] = {**self.pool.stats, "workers": len(self.pool.workers), "busy": self.pool.busy,
-                           "ready": sum(1 for w in self.pool.workers if w.ready), "queued": len(self.pool.queue)}
+            out["glue"] = self.pool.status()
         return out
 
 

@@ -313,9 +313,12 @@ class GluePool:
         for w in self.workers:
             loop.add_reader(w.conn.fileno(), self._readable, w)
 
-    @property
-    def busy(self) -> int:
-        return sum(1 for w in self.workers if w.call is not None)
+    def status(self) -> dict[str, int]:
+        """Counts since start (calls, ok, errors, timeouts, late, restarts) and the workers now:
+        all of them, those ready (imports done), those busy, and the calls waiting for one."""
+        ws = self.workers
+        return {**self.stats, "workers": len(ws), "ready": sum(1 for w in ws if w.ready),
+                "busy": sum(1 for w in ws if w.call is not None), "queued": len(self.queue)}
 
     def call(self, ref: str, data: bytes, meta: Any, frame: bytes, spec: GlueSpec, done: Done,
              deadline_us: int = 0) -> None:
