@@ -158,22 +158,26 @@ def test_glue_pool_errors_timeouts_crashes_and_import_errors():
         pool.attach(loop)
         spec = GlueSpec("pair", "classify", "detect", "cls")
 
-        def one(k: int, ref: str = FAN) -> asyncio.Future:
+        def one(k: int, ref: str = FAN, deadline_us: int = 0) -> asyncio.Future:
             f = loop.create_future()
             pool.call(ref, tg.frame(k, b"ab"), None, b"frame", spec,
-                      lambda o, r, d: f.set_result((o, r, d)))
+                      lambda o, r, d: f.set_result((o, r, d)), deadline_us)
             return f
 
         out = [await one(2), await one(tg.RAISE), await one(tg.SLEEP), await one(tg.DIE),
                await one(tg.BAD), await one(0), await one(1, bad)]
         out.append(await asyncio.gather(*(one(k) for k in (3, 1, 2))))
+        # both workers hung: a call waiting for one is answered at its deadline, not run
+        hung = [one(tg.SLEEP), one(tg.SLEEP)]
+        out.append(await one(1, deadline_us=time.monotonic_ns() // 1000 + 20_000))
+        out.append(await asyncio.gather(*hung))
         return out
 
     try:
         out = asyncio.run(main())
     finally:
         pool.close()
-    ok2, raised, slept, died, badret, zero, unimported, after = out
+    ok2, raised, slept, died, badret, zero, unimported, after, waited, hung = out
     assert ok2 == ([b"\x02ab\x00", b"\x02ab\x01"], "", "")
     assert raised[:2] == (None, "glue-error") and "told to fail" in raised[2]
     assert slept[:2] == (None, "glue-timeout")
@@ -181,7 +185,8 @@ def test_glue_pool_errors_timeouts_crashes_and_import_errors():
     assert badret[:2] == (None, "glue-error") and zero == ([], "", "")
     assert unimported[:2] == (None, "glue-error") and "nope" in unimported[2]
     assert [len(o) for o, _, _ in after] == [3, 1, 2]
-    assert pool.stats["timeouts"] == 1 and pool.stats["restarts"] == 2
+    assert waited[:2] == (None, "deadline") and [r for _, r, _ in hung] == ["glue-timeout"] * 2
+    assert pool.stats["timeouts"] == 3 and pool.stats["restarts"] == 4 and pool.stats["late"] == 1
 
 
 # --- config ------------------------------------------------------------------------------------
@@ -451,11 +456,18 @@ def test_queries_answer_the_glue_children_in_order(cluster):
         assert [o.key for o in r.outputs] == [(j,) for j in range(k)]
         assert {o.stage for o in r.outputs} <= {"classify"}
     assert [o.data for o in outs[2].stages["detect"]] == [tg.frame(3, b"q3")]
+    from ppiped.client import Client
+
+    with Client(cluster.client_endpoint) as c:  # the blocking client, high priority
+        r = c.submit_query("pair", tg.frame(2, b"b"), priority=1)
+        assert [o.data for o in r.outputs] == [tg.frame(2, b"b") + bytes([j]) for j in range(2)]
+        with pytest.raises(Rejected, match="unknown-app"):
+            c.submit_query("nope", b"x")
     assert outs[0].stages is None and outs[0].outputs == []
     after = _apps(cluster)["apps"]["pair"]
-    assert after["ok"] - before["ok"] == 4
-    assert after["stage_requests"]["detect"] - before["stage_requests"]["detect"] == 4
-    assert after["stage_requests"]["classify"] - before["stage_requests"]["classify"] == 0 + 1 + 3 + 2
+    assert after["ok"] - before["ok"] == 5
+    assert after["stage_requests"]["detect"] - before["stage_requests"]["detect"] == 5
+    assert after["stage_requests"]["classify"] - before["stage_requests"]["classify"] == 0 + 1 + 3 + 2 + 2
 
 
 def test_glue_errors_and_timeouts_are_answered_and_serving_goes_on(cluster):

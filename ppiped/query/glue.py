@@ -70,6 +70,7 @@ GLUE_ERROR = "glue-error"  # as ppiped.wire's (the worker side does not import t
 GLUE_TIMEOUT = "glue-timeout"
 DEADLINE = "deadline"
 SHUTDOWN = "shutdown"
+SWEEP_S = 0.02  # how often calls waiting for a worker are checked against their deadlines
 
 
 @dataclass(frozen=True)
@@ -262,6 +263,7 @@ class GluePool:
         self.loop: Any = None
         self.ids = itertools.count(1)
         self.closed = False
+        self.sweep: Any = None  # the timer answering calls that waited past their deadline
         self.stats = {"calls": 0, "ok": 0, "errors": 0, "timeouts": 0, "late": 0, "restarts": 0}
 
     def _spawn(self) -> _Worker:
@@ -338,6 +340,25 @@ class GluePool:
                 return
             if w.ready and w.call is None:
                 self._run(w)
+        if self.queue and self.sweep is None and self.loop is not None:
+            self.sweep = self.loop.call_later(SWEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        """Every ``SWEEP_S`` while calls wait for a worker: answer those past their deadline now,
+        not when a worker frees (a slow glue or a worker being replaced may take long)."""
+        self.sweep = None
+        if self.closed:
+            return
+        t = _now_us()
+        late = [c for c in self.queue if c.deadline_us and t >= c.deadline_us]
+        if late:
+            gone = set(map(id, late))
+            self.queue = deque(c for c in self.queue if id(c) not in gone)
+            for c in late:
+                self.stats["late"] += 1
+                self._end(c, None, DEADLINE, "waited for a glue worker past the query's deadline")
+        if self.queue:
+            self.sweep = self.loop.call_later(SWEEP_S, self._sweep)
 
     def _run(self, w: _Worker) -> None:
         q = self.queue
@@ -432,6 +453,9 @@ class GluePool:
     def close(self) -> None:
         """Answer every waiting and running call ``shutdown`` and stop the workers."""
         self.closed = True
+        if self.sweep is not None:
+            self.sweep.cancel()
+            self.sweep = None
         while self.queue:
             self._end(self.queue.popleft(), None, SHUTDOWN, "the daemon is stopping")
         for w in list(self.workers):
