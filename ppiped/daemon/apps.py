@@ -54,8 +54,9 @@ class AppStats:
         self.offered = self.accepted = self.ok = self.ok_late = self.in_flight = 0
         self.rejected: dict[str, int] = defaultdict(int)
         self.dropped: dict[str, dict[str, int]] = {s: defaultdict(int) for s in stages}
-        self.stage_requests = dict.fromkeys(stages, 0)
-        self.glue_calls = dict.fromkeys(stages[1:], 0)
+        # (defaultdicts: a replan may give the app other stages under the same name)
+        self.stage_requests: dict[str, int] = defaultdict(int, dict.fromkeys(stages, 0))
+        self.glue_calls: dict[str, int] = defaultdict(int, dict.fromkeys(stages[1:], 0))
         self.gpu_us = 0.0
         self.invalid_us = 0.0
 
