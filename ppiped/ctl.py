@@ -119,10 +119,28 @@ def _print_status(st: dict[str, Any]) -> None:
         if hi and hi["accepted"]:
             print(f"{'':<16} high priority: {hi['accepted']} accepted, {hi['ok_in_slo']} ok within the SLO, "
                   f"{hi['dropped']} dropped")
+    _print_apps(st.get("apps") or {})
     _print_executors(st["executors"], st.get("missing", []))
     last = st.get("replan", {}).get("last")
     if last:
         print(f"last replan: {json.dumps(last)}")
+
+
+def _print_apps(a: dict[str, Any]) -> None:
+    """Per app (multi-model queries): queries, where and why they failed, invalid GPU time."""
+    if not a.get("apps"):
+        return
+    print(f"{'app':<16} {'offered':>9} {'ok':>9} {'late':>6} {'rejected':>8} {'attain':>7} {'invalid':>7}  "
+          f"failed (stage: reason n)   [deadlines: {a.get('deadlines')}]")
+    for name, d in a["apps"].items():
+        failed = ", ".join(f"{st}: {r} {n}" for st, rs in d["dropped"].items() for r, n in sorted(rs.items()))
+        print(f"{name:<16} {d['offered']:>9} {d['ok']:>9} {d['late']:>6} {sum(d['rejected'].values()):>8} "
+              f"{100 * d['attainment']:>6.2f}% {100 * d['invalid_rate']:>6.2f}%  {failed or '-'}")
+    g = a.get("glue")
+    if g:
+        print(f"glue: {g.get('ready', 0)}/{g.get('workers', 0)} workers ready, {g.get('busy', 0)} busy, "
+              f"{g.get('queued', 0)} calls waiting; {g.get('calls', 0)} calls, {g.get('errors', 0)} errors, "
+              f"{g.get('timeouts', 0)} timeouts, {g.get('restarts', 0)} workers replaced")
 
 
 def _print_executors(execs: list[dict[str, Any]], missing: list[dict[str, Any]] = ()) -> None:

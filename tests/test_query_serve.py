@@ -581,6 +581,16 @@ def test_overload_every_query_answered_exactly_once(cluster):
     assert asyncio.run(after()) == 1
 
 
+def test_ctl_status_shows_the_apps(cluster, capsys):
+    from ppiped import ctl
+
+    _wait_glue_ready(cluster)
+    assert ctl.main(["--socket", str(cluster.config.parent / "admin.sock"), "status"]) == 0
+    out = capsys.readouterr().out
+    assert "[deadlines: e2e]" in out and "\npair " in out and "classify: glue-error" in out
+    assert "glue: 2/2 workers ready" in out
+
+
 def test_the_daemon_logged_no_error(cluster):
     """After everything above (glue crashes, timeouts, malformed input, overload): no traceback and
     no internal error in the daemon."""
