@@ -63,6 +63,17 @@ def two_stage(fanout: float = 2.0) -> App:
     return App("pair", 100_000.0, (Stage("detect", "det"), Stage("classify", "cls", 0, fanout, FAN)))
 
 
+def test_query_and_answer_headers_round_trip():
+    assert wire.decode(wire.query("pair", 5000, 9, True, 1, 77))[2:] == ["pair", 5000, 9, 1, 1, 77]
+    assert wire.decode(msgpack.packb([wire.VERSION, T.QUERY, "pair", 0, 9]))[2:] == ["pair", 0, 9, 0, 0, 0]
+    e = wire.output_entry("classify", (0, 2), True, None)
+    h = wire.decode(wire.answer(9, Status.OK, "", "", "", [e]))
+    assert h[2:] == [9, Status.OK, "", "", "", [["classify", [0, 2], True, None]]]
+    assert wire.query_id(msgpack.packb([wire.VERSION, T.QUERY, 3, 0, 12])) == 12
+    assert wire.query_id(msgpack.packb([wire.VERSION, T.SUBMIT, "m", 0, [1]])) is None
+    assert wire.query_id(b"\xc1") is None
+
+
 # --- the tracker (pure) -----------------------------------------------------------------------
 
 
