@@ -99,6 +99,19 @@ def test_tracker_e2e_deadlines_children_and_outputs_in_order():
     assert tr.submitted() == [1, 3]
 
 
+def test_tracker_e2e_drops_children_that_cannot_end_in_time_before_they_run():
+    tr = QueryTracker(two_stage(), "e2e", 0.0, 100_000.0)
+    tr.start(0.0, lambda stage, n: 10_000.0)
+    tr.stage_done(0, "r")
+    # 60 ms in, 8 inputs that need 50 ms: the query fails at the classify stage, nothing is queued
+    assert tr.glue_done(0, 1, 8, 60_000.0, lambda stage, n: 50_000.0) == []
+    assert tr.finished and tr.failed[:2] == ("classify", "early-drop") and tr.submitted() == [1, 0]
+    ok = QueryTracker(two_stage(), "e2e", 0.0, 100_000.0)
+    ok.start(0.0, lambda stage, n: 10_000.0)
+    ok.stage_done(0, "r")
+    assert len(ok.glue_done(0, 1, 8, 60_000.0, lambda stage, n: 30_000.0)) == 8 and not ok.finished
+
+
 def test_tracker_zero_children_keep_all_and_split_deadlines():
     app = two_stage().with_budgets([40_000, 60_000], "test")
     tr = QueryTracker(app, "split", 0.0, 50_000.0, keep_all=True)  # half the app's SLO: budgets scale

@@ -107,6 +107,16 @@ class QueryTracker:
         if self.finished:
             return []
         self.open -= 1
+        if self.mode == "e2e" and estimate is not None and count > 0:
+            # PARD's check at the next stage's admission, now that the number of inputs is
+            # known (the simulator's engine._children_in_time applies the same rule)
+            rest = self._rest(stage, estimate)
+            need = float(estimate(stage, count)) + (rest[stage] if rest else 0.0)
+            if now_us + need > self.deadline_us:
+                self._fail(self.app.stages[stage].name, "early-drop",
+                           f"{count} inputs need about {need / 1e3:.1f} ms, "
+                           f"{max(0.0, self.deadline_us - now_us) / 1e3:.1f} ms left")
+                return []
         key = self.nodes[parent].key
         out = self._submit(stage, [(*key, j) for j in range(count)], now_us, estimate)
         self._check()
