@@ -139,10 +139,11 @@ def test_local_composes(built, det_outputs):
     counts = [len(decode(o)) for o in per]
     for i in (int(np.argmax(counts)), counts.index(0)):
         got = local.run(frames[i], keep_all=True)
-        # By hand, step by step: the detector on the frame, the glue, the classifier on each crop.
+        # By hand, step by step: the detector on the frame, the glue as a worker calls it (a list
+        # in model order, the frame decoded from its bytes, the spec), the classifier on each crop.
         d = _run(det, frames[i][None])
         d = {k: v[0] for k, v in d.items()}
-        crops = crop(d, frames[i])
+        crops = crop([d[n] for n in example_glue.OUTPUT_NAMES], frames[i], local.specs[1])
         assert got[0].stage == "detect" and got[0].key == () and not got[0].final
         assert all(np.array_equal(got[0].outputs[k], d[k]) for k in d)
         leaves = got[1:]
@@ -151,6 +152,42 @@ def test_local_composes(built, det_outputs):
             want = _run(cls, c[None])["logits"][0]
             np.testing.assert_allclose(r.outputs["logits"], want, rtol=1e-5, atol=1e-5)
         assert [r.key for r in run_local(app, frames[i], paths)] == [r.key for r in leaves]
+
+
+def test_local_calls_glue_as_the_worker_pool_does(built, det_outputs):
+    """LocalApp calls ``fn(outputs list, frame, spec)`` through glue.run_glue, with the spec the
+    daemon builds from the profiles, and holds the children to the same contract."""
+    from ppiped.profiles import load_profile
+    from ppiped.query.glue import GlueError, glue_spec
+
+    frames, _, per = det_outputs
+    (app,) = load_apps(built / "apps.toml")
+    local = LocalApp(app, model_paths(app, built))
+    served = {m: load_profile(built / f"{m}.json").input_spec() for m in (DETECTOR, CLASSIFIER)}
+    assert local.specs[1] == glue_spec(app, 1, served)  # the daemon's spec (Queries._spec)
+    assert local.specs[1].shape == CROP_SHAPE and local.specs[1].frame_shape == example_glue.FRAME_SHAPE
+    calls = []
+
+    def record(outputs, frame, spec):
+        calls.append((outputs, frame, spec))
+        return crop(outputs, frame, spec)
+
+    i = int(np.argmax([len(decode(o)) for o in per]))
+    want = local.run(frames[i])
+    local.glue[1] = record
+    assert [(r.key, r.outputs["logits"].tobytes()) for r in local.run(frames[i])] == \
+        [(r.key, r.outputs["logits"].tobytes()) for r in want]
+    [(outputs, frame, spec)] = calls
+    assert isinstance(outputs, list) and [o.shape for o in outputs] == [per[i][n].shape for n in example_glue.OUTPUT_NAMES]
+    assert all(np.array_equal(o, per[i][n]) for o, n in zip(outputs, example_glue.OUTPUT_NAMES, strict=True))
+    assert frame.shape == example_glue.FRAME_SHAPE and frame.dtype == np.float32 and not frame.flags.writeable
+    assert np.array_equal(frame, frames[i]) and spec.stage == "classify" and spec.parent == "detect"
+    local.glue[1] = lambda outputs, frame, spec: [np.zeros(7, np.float32)]  # the wrong size
+    with pytest.raises(GlueError, match="stage 'classify': child 0 has 28 bytes"):
+        local.run(frames[i])
+    local.glue[1] = lambda outputs, frame: []  # the old two-argument form fails as it would served
+    with pytest.raises(TypeError):
+        local.run(frames[i])
 
 
 def _chain(block_paths: list[str], x: np.ndarray) -> dict[str, np.ndarray]:

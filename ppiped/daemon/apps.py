@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import logs, wire
 from ..query.app import App
-from ..query.glue import GluePool, GlueSpec
+from ..query.glue import GluePool, GlueSpec, glue_spec
 from ..query.tracker import Glue, QueryTracker, Submit
 from ..security import peer_key
 from ..wire import Status
@@ -408,15 +408,10 @@ class Queries:
 
     def _spec(self, app: App, i: int) -> GlueSpec:
         srv = self.srv
-        stage = app.stages[i]
-        m = srv.model_index.get(stage.model)
-        r = srv.model_index.get(app.stages[0].model)
-        spec = srv.input_specs[m] if m is not None else None
-        fspec = srv.input_specs[r] if r is not None else None
-        want = (srv.input_bytes[m] or (spec["bytes"] if spec else 0)) if m is not None else 0
-        return GlueSpec(app.name, stage.name, app.stages[stage.parent].name, stage.model,
-                        tuple(spec["shape"]) if spec else None, spec["dtype"] if spec else None, want,
-                        tuple(fspec["shape"]) if fspec else None, fspec["dtype"] if fspec else None)
+        idx = {s.model: srv.model_index.get(s.model) for s in app.stages}
+        inputs = {name: srv.input_specs[m] for name, m in idx.items() if m is not None}
+        m = idx[app.stages[i].model]
+        return glue_spec(app, i, inputs, srv.input_bytes[m] if m is not None else 0)
 
     def _fail(self, q: Query, stage: str, reason: str, detail: str) -> None:
         q.tracker.fail(stage, reason, detail)

@@ -2,18 +2,18 @@
 
 The glue contract
 -----------------
-A glue callable turns one request's worth of a parent stage's outputs into the inputs of its
-child stage::
+:mod:`ppiped.query.glue`'s, the one calling form of the daemon's glue workers and of the by-hand
+runner (:class:`ppiped.query.local.LocalApp`)::
 
-    crop(parent_outputs, frame) -> list of child inputs
+    crop(outputs, frame, spec) -> list of child inputs
 
-* ``parent_outputs``: the parent stage's outputs for one request, a dict name -> numpy array
-  with the batch axis removed (here ``heat`` ``[1, G, G]`` and ``boxes`` ``[4, G, G]``). A list
-  in the model's output order is accepted too, and so is a third argument (a spec), which
-  :func:`crop` ignores: :mod:`ppiped.query.glue`'s workers call ``fn(outputs, frame, spec)``
-  with a list.
+* ``outputs``: the detector's outputs for one request, a list of numpy arrays in the model's
+  output order with the batch axis removed (here ``heat`` ``[1, G, G]`` and ``boxes``
+  ``[4, G, G]``). A dict name -> array is accepted too, for calls by hand.
 * ``frame``: the client's original frame, a numpy array with the root model's input shape
-  (no batch axis; here ``[3, 128, 128]`` float32 in [0, 1]).
+  (no batch axis; here ``[3, 128, 128]`` float32 in [0, 1]), or its raw bytes as a flat
+  ``uint8`` array (where the daemon does not know the root model's input).
+* ``spec``: a :class:`ppiped.query.glue.GlueSpec`, which :func:`crop` does not need.
 * The result: a list of inputs for the child stage, one numpy array per child request, each
   with the child model's input shape (no batch axis) and dtype; an empty list when nothing was
   found. It must be a pure function of its arguments (workers run any query's calls).

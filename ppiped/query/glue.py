@@ -54,13 +54,16 @@ import sys
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import logs
+
+if TYPE_CHECKING:
+    from .app import App
 
 log = logs.get("ppiped.glue")
 
@@ -120,6 +123,37 @@ def split_outputs(data: bytes, meta: Any) -> list[np.ndarray]:
     if off != len(data):
         raise GlueError(f"the parent's output has {len(data)} bytes, its meta {meta!r} describes {off}")
     return out
+
+
+def glue_spec(app: App, i: int, inputs: Mapping[str, Mapping[str, Any] | None],
+              input_bytes: int = 0) -> GlueSpec:
+    """The spec of the glue making stage ``i``'s inputs, from the models' inputs by model name
+    (:meth:`ppiped.profiles.Profile.input_spec` dicts; None or absent: unknown). ``input_bytes``
+    overrides the stage model's size (``[models.NAME] input_bytes``). One builder for the daemon
+    and the by-hand runner, so glue sees the same spec in both."""
+    stage = app.stages[i]
+    spec, fspec = inputs.get(stage.model), inputs.get(app.stages[0].model)
+    return GlueSpec(app.name, stage.name, app.stages[stage.parent].name, stage.model,
+                    tuple(spec["shape"]) if spec else None, spec["dtype"] if spec else None,
+                    input_bytes or (int(spec["bytes"]) if spec else 0),
+                    tuple(fspec["shape"]) if fspec else None, fspec["dtype"] if fspec else None)
+
+
+def pack_outputs(outputs: Iterable[tuple[str, np.ndarray]]) -> tuple[bytes, list]:
+    """One request's outputs ``(name, array)`` in model order (batch axis removed) as an executor
+    sends them: the arrays' bytes back to back and their ``[dtype, shape, name]`` meta, which
+    :func:`split_outputs` reverses."""
+    arrays = [(n, np.ascontiguousarray(a)) for n, a in outputs]
+    return (b"".join(a.tobytes() for _, a in arrays),
+            [[a.dtype.str, list(a.shape), n] for n, a in arrays])
+
+
+def child_input(data: bytes, spec: GlueSpec) -> np.ndarray:
+    """A child :func:`run_glue` made, as the array the child model is fed: its input's shape and
+    dtype where ``spec`` knows them, else flat ``uint8``."""
+    if spec.shape is not None and spec.dtype:
+        return np.frombuffer(data, dtype=np.dtype(spec.dtype)).reshape(spec.shape)
+    return np.frombuffer(data, dtype=np.uint8)
 
 
 def decode_frame(frame: bytes, spec: GlueSpec) -> np.ndarray:
