@@ -31,6 +31,7 @@ from .state import (
     F_MARGIN_QHI,
     F_MARGIN_STEP,
     F_MIN_WAIT,
+    F_NOISE_Z,
     F_PRESSURE_ROOM,
     F_WAKE,
     FULL_BATCH,
@@ -350,6 +351,11 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn, o_mg):
     return best_v, best_f, best_s, best_has_tx, best_tx, best_l
 
 
+# standard normal quantile of the high margin (its quantile, F_MARGIN_QHI, is 0.99 by default):
+# log(high margin) / Z99 is the log-sd of a vGPU's latency noise
+Z99 = 2.3263
+
+
 @njit(types.UniTuple(f8, 2)(I1, F1, i8, i8, f8, i8), cache=True)
 def probe(A, F, p, b, now, buf):
     """Walk pipeline ``p``'s pools at batch size ``b`` from ``now`` without reserving anything.
@@ -381,11 +387,14 @@ def probe(A, F, p, b, now, buf):
     A[H_CALL_PROBES] += 1
     # margins at the high quantile while the model is under pressure (see _ppipe_queue)
     m = A[off(A, X_PIPE_MODEL) + p]
-    o_mg = off(A, X_V_MARGIN_HI) if F[off(A, X_Q_HBF) + m] > now else off(A, X_V_MARGIN)
+    o_mg = off(A, X_V_MARGIN_HI) if A[H_PARD] != 0 and F[off(A, X_Q_HBF) + m] > now else off(A, X_V_MARGIN)
     t = now
     prev_s = -1
     busy = 0.0
     nt = 0
+    z = F[F_NOISE_Z]
+    var = 0.0
+    o_hi = off(A, X_V_MARGIN_HI)
     for k in range(npools):
         pool = pool0 + k
         L = F[o_lat + pool * B + b - 1]
@@ -422,6 +431,16 @@ def probe(A, F, p, b, now, buf):
         busy += Lr
         t = best_f
         prev_s = sv
+        if z > 0.0:
+            # the noise this hop adds: its own run, and the runs booked on its vGPU before it
+            # (back to back, they shift its start by their summed noise: the variance grows
+            # with the time booked ahead, not with its square as a per-booking margin does)
+            # (the learned high margin even while few reports back it: a cold vGPU's prior is
+            # for the wait rule, and at light load it would stay, dropping what fits)
+            sd = np.log(max(F[o_hi + best_v], 1.0)) * (1.0 / Z99)
+            var += sd * sd * Lr * (Lr + max(best_s - now, 0.0))
+    if z > 0.0:
+        return t + z * np.sqrt(var), t - now - busy
     return t, t - now - busy
 
 
@@ -607,6 +626,8 @@ def _commit_ppipe(A, F, m, p, take, buf, fin, now, from_max):
         F[off(A, X_V_RLEN) + j] = F[off(A, X_PR_LPROF) + buf * K + k]
         F[off(A, X_V_RFIN) + j] = s + F[o_ld + k] if k == npools - 1 else -INF
         prev_s = sv
+    # the expected end is the last hop's booking (the probe's finish may hold the noise guard)
+    fin = F[o_inf + npools - 1] + F[o_ld + npools - 1]
     dq = queues_desc(A)
     hq = _hiq(A, m)
     o_qs = off(A, X_Q_SIZE)
@@ -626,7 +647,7 @@ def _hi_allowance(A, F, p, buf, now):
     """How much later the path in scratch ``buf`` would end with every hop at its vGPU's
     high-quantile margin instead of the margin the probe used (0 under pressure: it used it).
     A vGPU that has reported too few uses to know its quantile counts at ``F_MARGIN_PRIOR``."""
-    if F[off(A, X_Q_HBF) + A[off(A, X_PIPE_MODEL) + p]] > now:
+    if A[H_PARD] != 0 and F[off(A, X_Q_HBF) + A[off(A, X_PIPE_MODEL) + p]] > now:
         return 0.0
     K = A[H_K]
     o_vg = off(A, X_PR_VG) + buf * K

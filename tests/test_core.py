@@ -306,6 +306,30 @@ def test_submit_many_is_repeated_submit(seed, policy, tiny):
     assert one.pending() == many.pending()
 
 
+def test_the_noise_guard_grows_with_the_time_booked_ahead_not_with_each_booking():
+    """Deadline checks keep z standard deviations of the path's noise: a vGPU's log-sd is read
+    off its learned high margin, and the variance of a batch's end adds its own run and the runs
+    booked before it on the same vGPU (square-root growth)."""
+    plan, profs = _one_pool_case(nv=1, bs=1)
+    plain = Scheduler(plan, profs, noise_z=0.0)
+    guarded = Scheduler(plan, profs, noise_z=2.0)
+    assert guarded.probe(0, 1, 0.0)[0] == plain.probe(0, 1, 0.0)[0]  # nothing learned: no guard
+    for s in (plain, guarded):
+        s._arena.view("v_margin_hi")[:] = 1.25
+    sd = math.log(1.25) / 2.3263
+    for k in range(4):  # k batches of 100 µs already booked back to back on the one vGPU
+        f0, _, _ = plain.probe(0, 1, 0.0)
+        f2, _, _ = guarded.probe(0, 1, 0.0)
+        assert f0 == pytest.approx(100.0 * (k + 1))
+        assert f2 - f0 == pytest.approx(2.0 * sd * math.sqrt(100.0 * (100.0 + 100.0 * k)))
+        for s in (plain, guarded):  # book one more (a far deadline: dispatched at once)
+            s.submit(k, 0, 0.0, 1e9)
+            assert s.decide(0.0).n_dispatch == 1
+    # the dispatch reports its booked end, not the guarded one
+    guarded.submit(99, 0, 0.0, 1e9)
+    assert guarded.decide(0.0).dispatches()[0].finish_us == pytest.approx(500.0)
+
+
 def _one_pool_case(nv=2, bs=2, lat=100.0, slo=1000.0, parts=1):
     prof = Profile("m", 2, {"A": {1: np.array([[lat / 2, lat], [lat / 2, lat]])}}, np.array([1000.0]),
                    {"A": lat})
@@ -318,7 +342,7 @@ def _one_pool_case(nv=2, bs=2, lat=100.0, slo=1000.0, parts=1):
 
 def test_too_few_requests_wait_until_the_last_moment():
     plan, profs = _one_pool_case(nv=1, bs=2)
-    s = Scheduler(plan, profs)
+    s = Scheduler(plan, profs, noise_z=0.0)  # the noise guard has a test of its own
     s.submit(1, 0, 0.0, 1000.0)
     a = s.decide(0.0)
     assert a.n_dispatch == 0 and a.n_drop == 0

@@ -83,7 +83,7 @@ def test_batching_waits_then_fills():
     assert latencies(sim) == [160.0, 150.0]
     res, sim = run(plan, profs, [0.0], duration_s=0.002)
     # twice the room its path would need at the high-quantile margin: the 1.25 prior (no
-    # reports yet) over the low margin, 1.0
+    # reports yet) over the low margin, 1.0 (no noise guard yet: nothing learned)
     assert latencies(sim) == [1000.0 - 2 * 0.25 * 100.0]
     assert res.models[0].served == 1 and res.models[0].late == 0
 

@@ -33,8 +33,11 @@ def add_world_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-early-us", type=float, default=float("inf"),
                    help="executors may start a batch this long before its reserved start (default inf: "
                         "work-conserving; 0: never early)")
-    p.add_argument("--margin-quantile", type=float, default=0.9,
-                   help="quantile of measured/profiled latency each vGPU's reservations cover (default 0.9)")
+    p.add_argument("--margin-quantile", type=float, default=0.5,
+                   help="quantile of measured/profiled latency each vGPU's reservations cover (default 0.5)")
+    p.add_argument("--noise-z", type=float, default=1.0,
+                   help="deadline checks keep this many standard deviations of the path's latency "
+                        "noise (default 1; 0: none)")
     p.add_argument("--base-plan", help="plan whose per-model throughput is load factor 1.0 "
                                        "(default: the _v4 sibling of a reference plan, else the plan itself)")
 
@@ -54,7 +57,10 @@ def options_from(args: argparse.Namespace, **kw):
         raise InputError(f"--duration must be > 0, got {args.duration}")
     if not 0 < args.margin_quantile < 1:
         raise InputError(f"--margin-quantile must be in (0, 1), got {args.margin_quantile}")
-    return SimOptions(sigma=sigma, start_early_us=args.start_early_us, margin_quantile=args.margin_quantile, **kw)
+    if not 0 <= args.noise_z < 10:
+        raise InputError(f"--noise-z must be in [0, 10), got {args.noise_z}")
+    return SimOptions(sigma=sigma, start_early_us=args.start_early_us, margin_quantile=args.margin_quantile,
+                      noise_z=args.noise_z, **kw)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -100,10 +100,10 @@ class RefScheduler:
     when deadlines tie the kernel may order them differently, so tests use distinct deadlines."""
 
     def __init__(self, layout: Layout, policy: str = "ppipe", min_wait_us: float = 1.0,
-                 wait_guard_us: float = 0.0, early_drop: bool = False, margin_quantile: float = 0.9,
+                 wait_guard_us: float = 0.0, early_drop: bool = False, margin_quantile: float = 0.5,
                  margin_quantile_hi: float = 0.99, margin_step: float = 0.02, margin_max: float = 4.0,
                  work_conserving: bool = True, pard: bool = False, margin_prior: float = 1.25,
-                 class_room: float = 0.25, pressure_room: float = 0.2):
+                 class_room: float = 0.25, pressure_room: float = 0.2, noise_z: float = 1.0):
         self.L = layout
         self.policy = policy
         self.min_wait = min_wait_us
@@ -115,6 +115,7 @@ class RefScheduler:
         self.mqs = (margin_quantile, margin_quantile_hi)
         self.nrep = [0] * layout.num_vgpus  # reports learned from; below 32 the prior stands in
         self.prior = margin_prior
+        self.noise_z = noise_z
         # per vGPU, (handle, profiled length, booked path end if it was the last hop) of its
         # last 16 inference reservations by sequence
         self.recent = [[(-1, 0.0, -INF)] * 16 for _ in range(layout.num_vgpus)]
@@ -176,7 +177,8 @@ class RefScheduler:
         profiled L)]."""
         L = self.L
         t, prev_s, busy, hops = now, -1, 0.0, []
-        hi = int(self.hbf_until[int(L.pipe_model[p])] > now)
+        hi = int(self.pard and self.hbf_until[int(L.pipe_model[p])] > now)
+        var = 0.0
         tent: list[tuple[int, float, float]] = []
         for k in range(int(L.pipe_npools[p])):
             pool = int(L.pipe_pool0[p]) + k
@@ -221,7 +223,11 @@ class RefScheduler:
             busy += lv
             hops.append((v, tx, T, s, lv, lat))
             t, prev_s = f, sv
-        return t, t - now - busy, hops
+            sd = math.log(max(self.margin[v][1], 1.0)) / 2.3263
+            var += sd * sd * lv * (lv + max(s - now, 0.0))
+        if self.noise_z > 0.0:
+            return t + self.noise_z * math.sqrt(var), t - now - busy, hops
+        return t, t - now - busy, hops, hops
 
     def decide(self, now: float):
         """Returns (dispatches, drops [(rid, reason)], wake_at)."""
@@ -260,7 +266,7 @@ class RefScheduler:
                 return INF
             f_b, _, hops_b, p = best
             B = int(L.pipe_bs[p])
-            chosen, fin, hops, fmin = 0, f_b, hops_b, f_b
+            chosen, hops, fmin = 0, hops_b, f_b
             pressed = self.hbf_until[m] > now
             keep_full = self.pard and (n > B or (pressed and (n == B or self.gap[m] < self.pgap[m])))
             if f_b <= dh:
@@ -270,7 +276,7 @@ class RefScheduler:
                     f, _, h = self.probe(p, b, now)
                     fmin = min(fmin, f)
                     if f <= dh:
-                        chosen, fin, hops = b, f, h
+                        chosen, hops = b, h
                         break
             if chosen == 0 and not self.early and not (keep_full and pressed):
                 # another pipeline may still serve the oldest with the requests at hand
@@ -281,7 +287,7 @@ class RefScheduler:
                         f, _, h = self.probe(p2, b, now)
                         fmin = min(fmin, f)
                         if f <= dh:
-                            chosen, fin, hops = b, f, h
+                            chosen, hops = b, h
                             break
                     if chosen:
                         p = p2
@@ -305,13 +311,14 @@ class RefScheduler:
                 if fn <= dh:
                     # wait only while more requests are expected, and leave the room the
                     # high-quantile margins would take
-                    extra = 0.0 if self.hbf_until[m] > now else sum(
+                    extra = 0.0 if self.pard and self.hbf_until[m] > now else sum(
                         (self._hi(h[0]) - self.margin[h[0]][0]) * h[5] for h in hn)
                     slack = dh - fn - 2.0 * extra - self.guard
                     if slack >= self.min_wait and slack >= self.gap[m] and self._worth_waiting(m, p, n, chosen):
                         return now + slack
-                    fin, hops = fn, hn
-            d = RefDispatch(m, p, 0, [h[0] for h in hops], True, [], fin)
+                    hops = hn
+            # the dispatch's expected end is its last booked hop's (the noise guard is only checked)
+            d = RefDispatch(m, p, 0, [h[0] for h in hops], True, [], hops[-1][3] + hops[-1][4])
             prev_s = -1
             for v, tx, T, s, lat, prof in hops:
                 sv = int(L.v_server[v])

@@ -59,10 +59,12 @@ class SimOptions:
     nic_fifo: bool = True
     min_wait_us: float = 1.0
     wait_guard_us: float = 0.0
-    margin_quantile: float = 0.9
+    margin_quantile: float = 0.5
     margin_step: float = 0.02
     class_room: float = 0.25  # share of the SLO the low class leaves to the high class
     pressure_room: float = 0.2  # PARD: most of the SLO left unbooked under pressure (learned below it)
+    noise_z: float = 1.0  # deadline checks keep this many sds of the path's latency noise
+    margin_quantile_hi: float = 0.99  # the margins' quantile while a model is under pressure
 
 
 class Simulation:
@@ -77,8 +79,9 @@ class Simulation:
         self.plan, self.options, self.seed = plan, opt, int(seed)
         self.sched = Scheduler(plan, profiles, policy, layout, min_wait_us=opt.min_wait_us,
                                wait_guard_us=opt.wait_guard_us, margin_quantile=opt.margin_quantile,
+                               margin_quantile_hi=max(opt.margin_quantile, opt.margin_quantile_hi),
                                margin_step=opt.margin_step, class_room=opt.class_room,
-                               pressure_room=opt.pressure_room,
+                               pressure_room=opt.pressure_room, noise_z=opt.noise_z,
                                work_conserving=math.isinf(opt.start_early_us))
         lay = self.layout = self.sched.layout
         M = len(lay.models)
