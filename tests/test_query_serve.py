@@ -213,6 +213,39 @@ def test_glue_pool_errors_timeouts_crashes_and_import_errors():
     assert pool.stats["timeouts"] == 3 and pool.stats["restarts"] == 4 and pool.stats["late"] == 1
 
 
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_glue_pool_moves_messages_larger_than_a_socket_buffer(loop):
+    """Frames and children of megabytes (real images and crops) go through whole, in both
+    directions, on the daemon's uvloop (whose add_reader makes the socket non-blocking: a
+    message then arrives in pieces) and on asyncio's loop; several calls at once."""
+    import uvloop
+
+    pool = GluePool([FAN], workers=2, timeout_s=20.0)
+    assert pool.start() == {}
+    tags = [bytes([i]) * (2_000_000 + i) for i in range(4)]
+
+    async def main() -> list:
+        lp = asyncio.get_running_loop()
+        pool.attach(lp)
+        spec = GlueSpec("pair", "classify", "detect", "cls")
+        futs = []
+        for tag in tags:
+            f = lp.create_future()
+            pool.call(FAN, tg.frame(3, tag), None, b"\x07" * 3_000_000, spec,
+                      lambda o, r, d, f=f: f.set_result((o, r, d)))
+            futs.append(f)
+        return await asyncio.gather(*futs)
+
+    try:
+        out = uvloop.run(main()) if loop == "uvloop" else asyncio.run(main())
+    finally:
+        pool.close()
+    for tag, (kids, reason, detail) in zip(tags, out, strict=True):
+        assert (reason, detail) == ("", "")
+        assert kids == [tg.frame(3, tag) + bytes([j]) for j in range(3)]
+    assert pool.stats["ok"] == 4 and pool.stats["restarts"] == 0
+
+
 # --- config ------------------------------------------------------------------------------------
 
 

@@ -47,8 +47,10 @@ import itertools
 import json
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -264,12 +266,43 @@ class _Call:
 
 
 class _Worker:
-    __slots__ = ("proc", "conn", "ready", "call")
+    __slots__ = ("proc", "conn", "ready", "call", "rbuf", "wbuf", "writing")
 
     def __init__(self, proc: subprocess.Popen, conn: multiprocessing.connection.Connection) -> None:
         self.proc, self.conn = proc, conn
         self.ready = False
         self.call: _Call | None = None
+        self.rbuf = bytearray()  # bytes read, not yet a whole message
+        self.wbuf = bytearray()  # bytes to send, once the socket takes them
+        self.writing = False  # a writer callback is registered for wbuf
+
+
+def _framed(obj: Any) -> bytes:
+    """``obj`` pickled and framed as ``multiprocessing.connection.Connection.send`` frames it
+    (what the worker's blocking ``recv`` reads)."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    n = len(data)
+    head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+    return head + data
+
+
+def _unframe(buf: bytearray) -> list[Any]:
+    """Every whole message at the front of ``buf`` (removed from it), unpickled; a partial one
+    stays for the next read."""
+    out = []
+    while len(buf) >= 4:
+        (n,) = struct.unpack_from("!i", buf)
+        head = 4
+        if n == -1:
+            if len(buf) < 12:
+                break
+            (n,) = struct.unpack_from("!Q", buf, 4)
+            head = 12
+        if len(buf) < head + n:
+            break
+        out.append(pickle.loads(bytes(buf[head:head + n])))
+        del buf[:head + n]
+    return out
 
 
 def _now_us() -> int:
@@ -313,8 +346,15 @@ class GluePool:
         w = _Worker(p, multiprocessing.connection.Connection(mine.detach()))
         self.workers.append(w)
         if self.loop is not None:
-            self.loop.add_reader(w.conn.fileno(), self._readable, w)
+            self._watch(w)
         return w
+
+    def _watch(self, w: _Worker) -> None:
+        """Read ``w`` from the loop. The socket is made non-blocking (uvloop does so anyway):
+        the loop must never wait for a message that is only partly there, in or out, so it
+        reads and writes whole frames through buffers (:meth:`_readable`, :meth:`_send`)."""
+        os.set_blocking(w.conn.fileno(), False)
+        self.loop.add_reader(w.conn.fileno(), self._readable, w)
 
     def start(self, timeout_s: float = 60.0) -> dict[str, str]:
         """Start the workers and wait until each has imported the callables (blocking). Returns
@@ -347,7 +387,7 @@ class GluePool:
         """Read the workers' pipes from ``loop`` (the daemon's), where every ``done`` then runs."""
         self.loop = loop
         for w in self.workers:
-            loop.add_reader(w.conn.fileno(), self._readable, w)
+            self._watch(w)
 
     def status(self) -> dict[str, int]:
         """Counts since start (calls, ok, errors, timeouts, late, restarts) and the workers now:
@@ -402,28 +442,76 @@ class GluePool:
                 self.stats["late"] += 1
                 self._end(c, None, DEADLINE, "waited for a glue worker past the query's deadline")
                 continue
-            try:
-                w.conn.send((c.id, c.ref, c.data, c.meta, c.frame, c.spec))
-            except (OSError, ValueError):  # it died: the reader sees EOF and replaces it
-                q.appendleft(c)
+            if not self._send(w, (c.id, c.ref, c.data, c.meta, c.frame, c.spec)):
+                q.appendleft(c)  # it died: the reader sees EOF and replaces it
                 w.ready = False
                 return
             w.call = c
             c.timer = self.loop.call_later(self.timeout_s, self._timeout, w, c)
             return
 
-    def _readable(self, w: _Worker) -> None:
+    def _send(self, w: _Worker, obj: Any) -> bool:
+        """Queue ``obj`` for worker ``w`` and send what the socket takes now; the rest goes when
+        it is writable. False: the socket is broken (the worker died)."""
+        w.wbuf += _framed(obj)
+        return self._flush(w)
+
+    def _flush(self, w: _Worker) -> bool:
+        fd = w.conn.fileno()
         try:
-            msg = w.conn.recv()
-        except (EOFError, OSError, ValueError):
+            while w.wbuf:
+                n = os.write(fd, w.wbuf)
+                del w.wbuf[:n]
+        except BlockingIOError:
+            pass
+        except (OSError, ValueError):
+            w.wbuf.clear()
+            self._unwrite(w)
+            return False
+        if w.wbuf and not w.writing:
+            self.loop.add_writer(fd, self._flush, w)
+            w.writing = True
+        elif not w.wbuf:
+            self._unwrite(w)
+        return True
+
+    def _unwrite(self, w: _Worker) -> None:
+        if w.writing:
+            w.writing = False
+            with contextlib.suppress(Exception):
+                self.loop.remove_writer(w.conn.fileno())
+
+    def _readable(self, w: _Worker) -> None:
+        """Read what is there; handle every whole message; a worker gone (EOF) or sending
+        something unreadable is replaced."""
+        eof = False
+        try:
+            while True:
+                data = os.read(w.conn.fileno(), 1 << 20)
+                if not data:
+                    eof = True
+                    break
+                w.rbuf += data
+        except BlockingIOError:
+            pass
+        except (OSError, ValueError):
+            eof = True
+        try:
+            msgs = _unframe(w.rbuf)
+        except Exception as e:  # an unpicklable message: treat the worker as broken
+            self._replace(w, GLUE_ERROR, f"unreadable message from the glue worker: {e}")
+            return
+        for msg in msgs:
+            if w not in self.workers:
+                return
+            self._on_message(w, msg)
+        if eof and w in self.workers:
             code = None
             with contextlib.suppress(subprocess.TimeoutExpired):
                 code = w.proc.wait(0.1)
             self._replace(w, GLUE_ERROR, f"the glue worker died (exit code {code})")
-            return
-        except Exception as e:  # an unpicklable message: treat the worker as broken
-            self._replace(w, GLUE_ERROR, f"unreadable message from the glue worker: {e}")
-            return
+
+    def _on_message(self, w: _Worker, msg: Any) -> None:
         if not w.ready:
             w.ready = True  # a replacement's ("ready", errors): its imports are the start's
             self._pump()
@@ -465,6 +553,7 @@ class GluePool:
 
     def _drop(self, w: _Worker) -> None:
         if self.loop is not None:
+            self._unwrite(w)
             with contextlib.suppress(Exception):
                 self.loop.remove_reader(w.conn.fileno())
         with contextlib.suppress(Exception):
