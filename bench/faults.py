@@ -209,14 +209,14 @@ def flood_child(endpoint: str, n: int, slo_ms: float, timeout_s: float) -> dict:
     def take(m: list) -> None:
         nonlocal in_slo, got
         h = wire.decode(m[0])
-        key = "ok" if h[3] == wire.Status.OK else f"{wire.Status(h[3]).name.lower()}:{h[4]}"
-        outcome[key] = outcome.get(key, 0) + len(h[2])
-        got += len(h[2])
-        for i in h[2]:
+        key = "ok" if h.status == wire.Status.OK else f"{wire.Status(h.status).name.lower()}:{h.reason}"
+        outcome[key] = outcome.get(key, 0) + len(h.ids)
+        got += len(h.ids)
+        for i in h.ids:
             seen[i] += 1
-        if h[3] == wire.Status.OK:
+        if h.status == wire.Status.OK:
             t = time.monotonic()
-            in_slo += sum(1 for i in h[2] if t - sent_at[i] <= slo_ms / 1000)
+            in_slo += sum(1 for i in h.ids if t - sent_at[i] <= slo_ms / 1000)
 
     t0 = time.monotonic()
     for i in range(n):

@@ -102,7 +102,7 @@ def run(requests: int, per_message: int, bs: int, vgpus: int) -> dict:
             while ex.poll(0):  # the executor: answer each dispatch at once
                 m = recv_parts(ex, 0)
                 h = wire.decode(m[0])
-                _, _, bid, path, starts, rids = h
+                bid, path, starts, rids = h.batch, h.path, h.starts, h.ids
                 fb = []
                 for hop, v in enumerate(path):
                     fb += [v, bid, hop, starts[hop], starts[hop], starts[hop] + 10]
@@ -114,7 +114,7 @@ def run(requests: int, per_message: int, bs: int, vgpus: int) -> dict:
                 t_result += pc() - t0
             while cl.poll(0):
                 m = cl.recv_multipart(copy=False)
-                answered += len(wire.decode(m[0])[2])
+                answered += len(wire.decode(m[0]).ids)
         st = srv.stats[0]
         mean_batch = st.batch_reqs / max(1, st.batches)
         srv.timers.close()

@@ -380,9 +380,9 @@ class AsyncClient:
         except wire.ProtocolError as e:
             self.errors.append((e.code, str(e)))
             return
-        t = h[1]
+        t = h.type
         if t == T.REPLY:
-            _, _, ids, status, reason, meta = h
+            ids, status, reason, meta = h.ids, h.status, h.reason, h.meta
             pending = self._pending
             if status == Status.OK:
                 if len(msg) - 1 != len(ids):
@@ -398,7 +398,7 @@ class AsyncClient:
                     if cb is not None:
                         cb(rid, status, reason, None, None)
         elif t == T.ANSWER:
-            _, _, qid, status, reason, stage, detail, entries = h
+            qid, status, reason, stage, detail, entries = h.qid, h.status, h.reason, h.stage, h.detail, h.outputs
             qcb = self._queries.pop(qid, None)
             if qcb is None:
                 return
@@ -410,16 +410,16 @@ class AsyncClient:
             qcb(status, reason, stage, detail, entries, msg[1:])
         elif t == T.PONG:
             self._heard = time.monotonic()
-            epoch = h[3].get("epoch")
+            epoch = h.info.get("epoch")
             if epoch is not None:
                 if self.epoch is not None and epoch != self.epoch:
                     self._end_all(wire.DAEMON_RESTARTED)  # the new scheduler never saw them
                 self.epoch = epoch
-            fut = self._pings.get(h[2])
+            fut = self._pings.get(h.token)
             if fut is not None and not fut.done():
-                fut.set_result(h[3])
+                fut.set_result(h.info)
         elif t == T.ERROR:
-            self.errors.append((h[2], h[3]))
+            self.errors.append((h.code, h.message))
 
     async def close(self) -> None:
         if self._watch_handle is not None:

@@ -457,8 +457,9 @@ def test_replan_plan_file_changes_models_and_adds_vgpus(ops, capsys):
         h = wire.decode(sock.recv_multipart()[0])
     finally:
         sock.close(0)
-    assert h[1] == wire.T.REPLY and h[2] == [7] and h[3] == wire.Status.REJECTED and h[4] == wire.UNKNOWN_MODEL
-    assert f"'tiny2' (it was removed by plan v{before + 1}" in h[5] and "tiny3" in h[5], h[5]
+    assert h.type == wire.T.REPLY and h.ids == [7] and h.status == wire.Status.REJECTED
+    assert h.reason == wire.UNKNOWN_MODEL
+    assert f"'tiny2' (it was removed by plan v{before + 1}" in h.meta and "tiny3" in h.meta, h.meta
     # the new vGPUs come into service when an executor registers for them
     ops.cluster.groups.append([4, 5])
     ops.cluster.executors.append(ops.cluster._start_executor(len(ops.cluster.groups) - 1))

@@ -29,13 +29,13 @@ def test_every_constructor_round_trips():
     ]
     for m in msgs:
         h = wire.decode(m)
-        assert h[0] == wire.VERSION and h[1] in wire.SCHEMAS
+        assert h.version == wire.VERSION and type(h) is wire.STRUCTS[h.type]
         assert len(m) < 200  # headers stay tiny
-    b = wire.Assignment.from_wire(wire.decode(wire.welcome([a.to_wire()], 100))[2][0])
+    b = wire.Assignment.from_wire(wire.decode(wire.welcome([a.to_wire()], 100)).assignments[0])
     assert b.to_wire() == a.to_wire()
     # the daemon spots PRELOADED by its third byte without decoding (server._on_exec_ops)
     assert wire.preloaded(2**40, 2**40, "x" * 300)[2] == T.PRELOADED
-    assert wire.decode(wire.prepare(4, [a.to_wire()]))[3] == [a.to_wire()]
+    assert wire.decode(wire.prepare(4, [a.to_wire()])).assignments == [a.to_wire()]
 
 
 @pytest.mark.parametrize("raw, code, text", [
@@ -62,16 +62,16 @@ def test_header_size_limit_and_frame_count():
     with pytest.raises(ProtocolError, match="exceeds"):
         wire.decode(b"\x90" * (wire.MAX_HEADER_BYTES + 1))
     h = wire.decode(wire.submit("m", 0, [1, 2]))
-    wire.expect_frames(h, 2, len(h[4]))
+    wire.expect_frames(h, 2, len(h.ids))
     with pytest.raises(ProtocolError, match="announces 2"):
-        wire.expect_frames(h, 1, len(h[4]))
+        wire.expect_frames(h, 1, len(h.ids))
 
 
 def test_submit_priority_is_an_optional_trailing_field():
     """Older clients send SUBMIT without a priority: it decodes as the low class; a newer one
     sends it only when it is not 0, so older daemons keep understanding low-class submits."""
-    assert wire.decode(wire.submit("m", 0, [1]))[5] == 0
-    assert wire.decode(wire.submit("m", 0, [1], 1))[5] == 1
+    assert wire.decode(wire.submit("m", 0, [1])).priority == 0
+    assert wire.decode(wire.submit("m", 0, [1], 1)).priority == 1
     assert len(wire.submit("m", 0, [1])) < len(wire.submit("m", 0, [1], 1))
     with pytest.raises(ProtocolError, match="SUBMIT.priority"):
         wire.decode(msgpack.packb([1, T.SUBMIT, "m", 0, [1], "high"]))
@@ -84,12 +84,13 @@ def test_submit_priority_is_an_optional_trailing_field():
 def test_submit_sent_us_is_an_optional_trailing_field():
     """``sent_us`` follows ``priority``: a sender that gives it spells the priority out (0 too);
     left out, or from an older client, it decodes as 0 (unknown)."""
-    assert wire.decode(wire.submit("m", 0, [1]))[6] == 0
-    assert wire.decode(wire.submit("m", 0, [1], 1))[5:] == [1, 0]
-    h = wire.decode(wire.submit("m", 0, [1], 0, 123_456_789))
-    assert h[2:] == ["m", 0, [1], 0, 123_456_789]
+    assert wire.decode(wire.submit("m", 0, [1])).sent_us == 0
+    h = wire.decode(wire.submit("m", 0, [1], 1))
+    assert (h.priority, h.sent_us) == (1, 0)
+    assert wire.decode(wire.submit("m", 0, [1], 0, 123_456_789)) == wire.Submit(1, T.SUBMIT, "m", 0, [1], 0, 123_456_789)
     assert msgpack.unpackb(wire.submit("m", 0, [1], 0, 5)) == [1, T.SUBMIT, "m", 0, [1], 0, 5]
-    assert wire.decode(msgpack.packb([1, T.SUBMIT, "m", 0, [1], 1, 7]))[5:] == [1, 7]
+    h = wire.decode(msgpack.packb([1, T.SUBMIT, "m", 0, [1], 1, 7]))
+    assert (h.priority, h.sent_us) == (1, 7)
     for bad in (-1, 1.5, "now"):
         with pytest.raises(ProtocolError, match="SUBMIT.sent_us"):
             wire.decode(msgpack.packb([1, T.SUBMIT, "m", 0, [1], 0, bad]))

@@ -64,11 +64,13 @@ def two_stage(fanout: float = 2.0) -> App:
 
 
 def test_query_and_answer_headers_round_trip():
-    assert wire.decode(wire.query("pair", 5000, 9, True, 1, 77))[2:] == ["pair", 5000, 9, 1, 1, 77]
-    assert wire.decode(msgpack.packb([wire.VERSION, T.QUERY, "pair", 0, 9]))[2:] == ["pair", 0, 9, 0, 0, 0]
+    assert wire.decode(wire.query("pair", 5000, 9, True, 1, 77)) == wire.Query(1, T.QUERY, "pair", 5000, 9, 1, 1, 77)
+    h = wire.decode(msgpack.packb([wire.VERSION, T.QUERY, "pair", 0, 9]))
+    assert (h.app, h.slo_us, h.qid, h.stages, h.priority, h.sent_us) == ("pair", 0, 9, 0, 0, 0)
     e = wire.output_entry("classify", (0, 2), True, None)
     h = wire.decode(wire.answer(9, Status.OK, "", "", "", [e]))
-    assert h[2:] == [9, Status.OK, "", "", "", [["classify", [0, 2], True, None]]]
+    assert (h.qid, h.status, h.reason, h.stage, h.detail) == (9, Status.OK, "", "", "")
+    assert h.outputs == [["classify", [0, 2], True, None]]
     assert wire.query_id(msgpack.packb([wire.VERSION, T.QUERY, 3, 0, 12])) == 12
     assert wire.query_id(msgpack.packb([wire.VERSION, T.SUBMIT, "m", 0, [1]])) is None
     assert wire.query_id(b"\xc1") is None
@@ -368,7 +370,7 @@ class AppRig:
         self.srv.on_client(recv_parts(self.srv.client, 0))
         self.srv.after_clients()
 
-    def dispatched(self, until_us: int | None = None) -> list[tuple[list, list]]:
+    def dispatched(self, until_us: int | None = None) -> list[tuple[wire.Dispatch, list]]:
         """Move the clock (by default to when the core asked to be woken) and let the core
         dispatch: the DISPATCH headers and frames sent."""
         self.t = int(self.srv.wake_at) + 1 if until_us is None else until_us
@@ -383,16 +385,16 @@ class AppRig:
         self.srv.on_exec(recv_parts(self.srv.exe, 0))
         self.srv.after_execs()
 
-    def finish(self, h: list, ok: list[int], failed: list = ()) -> None:
+    def finish(self, h: wire.Dispatch, ok: list[int], failed: list = ()) -> None:
         """Report batch ``h`` run (feedback on every hop), ``ok`` of its requests with a result."""
-        _, _, bid, path, starts, ids = h
+        bid, path, starts = h.batch, h.path, h.starts
         fb = []
         for hop, v in enumerate(path):
             fb += [v, bid, hop, starts[hop], starts[hop], starts[hop] + 1000]
         frames = [b"out-%d" % rid for rid in ok]
         self.to_server(wire.result(bid, ok, None, list(failed), fb), frames)
 
-    def answers(self) -> list[tuple[list, list]]:
+    def answers(self) -> list[tuple[wire.Answer, list]]:
         return [(wire.decode(m[0]), m[1:]) for m in self.drain(self.cl)]
 
     def close(self) -> None:
@@ -409,23 +411,23 @@ def test_a_failed_child_fails_the_query_once_withdraws_queued_stages_and_discard
         rig.query(1, tg.frame(5))
         [(h, frames)] = rig.dispatched()  # the root, at its last moment
         assert frames[0] == tg.frame(5)
-        rig.finish(h, h[5])
+        rig.finish(h, h.ids)
         [(data, frame, spec, done)] = rig.pool.calls
-        assert data == b"out-%d" % h[5][0] and frame == tg.frame(5) and spec.stage == "classify"
+        assert data == b"out-%d" % h.ids[0] and frame == tg.frame(5) and spec.stage == "classify"
         done([b"c%d" % j for j in range(5)], "", "")  # the children go to the core, which decides
         cls = srv.model_index["cls"]
         [(b1, f1)] = rig.dispatched(rig.t)  # one full batch (bs 4) at once, one child left queued
-        assert len(b1[5]) == 4 and len(set(f1)) == 4 and set(f1) < {b"c%d" % j for j in range(5)}
+        assert len(b1.ids) == 4 and len(set(f1)) == 4 and set(f1) < {b"c%d" % j for j in range(5)}
         assert srv.core.pending(cls) == 1
-        rig.finish(b1, [], [b1[5][0], "executor-error: boom"])  # one child fails
+        rig.finish(b1, [], [b1.ids[0], "executor-error: boom"])  # one child fails
         [(a, af)] = rig.answers()
-        assert a[1] == T.ANSWER and a[2] == 1 and a[3] == Status.DROPPED and af == []
-        assert (a[4], a[5]) == (wire.FAILED, "classify") and "boom" in a[6]
+        assert a.type == T.ANSWER and a.qid == 1 and a.status == Status.DROPPED and af == []
+        assert (a.reason, a.stage) == (wire.FAILED, "classify") and "boom" in a.detail
         assert srv.core.pending(cls) == 0 and not srv.reqs  # the queued child was withdrawn
         assert srv.stats[cls].dropped["query-failed"] == 1
         app = srv.queries.status()["apps"]["pair"]
         assert app["gpu_s"] > 0 and app["invalid_gpu_s"] == app["gpu_s"]  # the root's, for nothing
-        rig.finish(b1, b1[5][1:])  # the batch's other children end: discarded
+        rig.finish(b1, b1.ids[1:])  # the batch's other children end: discarded
         assert rig.answers() == []
         st = srv.stats[cls]
         assert st.accepted == st.answered == 5 and st.clients == 0
@@ -446,17 +448,17 @@ def test_a_query_whose_glue_makes_no_children_ends_with_its_root(tmp_path, monke
     try:
         rig.query(7, tg.frame(0))
         [(h, _)] = rig.dispatched()
-        rig.finish(h, h[5])
+        rig.finish(h, h.ids)
         assert rig.answers() == []  # waiting on the glue
         rig.pool.calls[0][3]([], "", "")
         [(a, af)] = rig.answers()
-        assert a[2] == 7 and a[3] == Status.OK and a[7] == [] and af == []
+        assert a.qid == 7 and a.status == Status.OK and a.outputs == [] and af == []
         rig.query(8, tg.frame(2))
         [(h, _)] = rig.dispatched()
-        rig.finish(h, h[5])
+        rig.finish(h, h.ids)
         rig.pool.calls[1][3](None, "glue-timeout", "slow")
         [(a, _)] = rig.answers()
-        assert (a[2], a[3], a[4], a[5], a[6]) == (8, Status.DROPPED, "glue-timeout", "classify", "slow")
+        assert (a.qid, a.status, a.reason, a.stage, a.detail) == (8, Status.DROPPED, "glue-timeout", "classify", "slow")
     finally:
         rig.close()
 
@@ -557,9 +559,9 @@ def test_glue_errors_and_timeouts_are_answered_and_serving_goes_on(cluster):
 
 
 def _raw_queries(endpoint: str, headers: list[bytes], frames: list[list[bytes]], expect: int,
-                 timeout_s: float = 120.0, linger_s: float = 0.5) -> list[list]:
-    """Send raw QUERY messages on one DEALER and collect every reply (decoded headers) until
-    ``expect`` have come and then ``linger_s`` more without one."""
+                 timeout_s: float = 120.0, linger_s: float = 0.5) -> list[tuple[wire.Message, int]]:
+    """Send raw QUERY messages on one DEALER and collect every reply (decoded header, payload
+    frame count) until ``expect`` have come and then ``linger_s`` more without one."""
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
@@ -567,7 +569,7 @@ def _raw_queries(endpoint: str, headers: list[bytes], frames: list[list[bytes]],
     try:
         for h, fs in zip(headers, frames, strict=True):
             s.send_multipart([h, *fs])
-        out: list[list] = []
+        out: list[tuple[wire.Message, int]] = []
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             wait = linger_s if len(out) >= expect else 1.0
@@ -576,7 +578,7 @@ def _raw_queries(endpoint: str, headers: list[bytes], frames: list[list[bytes]],
                     break
                 continue
             msg = s.recv_multipart()
-            out.append(wire.decode(msg[0]) + [len(msg) - 1])
+            out.append((wire.decode(msg[0]), len(msg) - 1))
         return out
     finally:
         s.close(0)
@@ -595,15 +597,15 @@ def test_unknown_app_and_malformed_queries_get_clear_errors(cluster):
         (b"\xc1garbage", [b"f"]),  # not msgpack: no query id to answer, an ERROR
     ]
     got = _raw_queries(cluster.client_endpoint, [h for h, _ in cases], [f for _, f in cases], len(cases))
-    answers = {h[2]: h for h in got if h[1] == T.ANSWER}
-    errors = [h for h in got if h[1] == T.ERROR]
+    answers = {h.qid: h for h, _ in got if h.type == T.ANSWER}
+    errors = [h for h, _ in got if h.type == T.ERROR]
     assert sorted(answers) == [1, 2, 3, 4, 5, 6, 7] and len(errors) == 1 and len(got) == 8
-    assert answers[1][3] == Status.REJECTED and answers[1][4] == wire.UNKNOWN_APP and "pair" in answers[1][6]
+    assert answers[1].status == Status.REJECTED and answers[1].reason == wire.UNKNOWN_APP and "pair" in answers[1].detail
     for qid, text in ((2, "exactly one"), (3, "exactly one"), (4, "priority"), (5, "above app 'pair'"),
                       (6, "QUERY.app"), (7, "QUERY.slo_us")):
         h = answers[qid]
-        assert h[3] == Status.REJECTED and h[4] == wire.MALFORMED and text in h[6], h
-    assert errors[0][2] == wire.MALFORMED
+        assert h.status == Status.REJECTED and h.reason == wire.MALFORMED and text in h.detail, h
+    assert errors[0].code == wire.MALFORMED
 
     async def client_side() -> None:
         async with AsyncClient(cluster.client_endpoint) as c:
@@ -621,13 +623,13 @@ def test_overload_every_query_answered_exactly_once(cluster):
     headers = [wire.query("pair", 0, qid, priority=qid % 2) for qid in range(1, n + 1)]
     frames = [[tg.frame(2, b"%d" % qid)] for qid in range(1, n + 1)]
     got = _raw_queries(cluster.client_endpoint, headers, frames, n)
-    assert all(h[1] == T.ANSWER for h in got)
-    per = Counter(h[2] for h in got)
+    assert all(h.type == T.ANSWER for h, _ in got)
+    per = Counter(h.qid for h, _ in got)
     assert sorted(per) == list(range(1, n + 1)) and set(per.values()) == {1}  # exactly once each
-    outcomes = Counter((h[3], h[4], h[5]) for h in got)
-    ok = [h for h in got if h[3] == Status.OK]
-    assert ok and all(h[-1] == 2 == len(h[7]) for h in ok)  # two children's outputs each
-    assert all(h[5] in ("detect", "classify") for h in got if h[3] != Status.OK), outcomes
+    outcomes = Counter((h.status, h.reason, h.stage) for h, _ in got)
+    ok = [(h, n) for h, n in got if h.status == Status.OK]
+    assert ok and all(n == 2 == len(h.outputs) for h, n in ok)  # two children's outputs each
+    assert all(h.stage in ("detect", "classify") for h, _ in got if h.status != Status.OK), outcomes
     st = _apps(cluster)
     assert st["queries_in_flight"] == 0 and st["apps"]["pair"]["in_flight"] == 0
 

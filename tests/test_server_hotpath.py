@@ -102,8 +102,7 @@ def test_submit_rejects_some_and_queues_the_rest_in_order(tmp_path, monkeypatch)
         rig.submit(payloads, 100)
         srv = rig.srv
         replies = [wire.decode(m[0]) for m in rig.drain(rig.cl)]
-        rejected = {reason: ids for _, kind, ids, status, reason, _ in replies
-                    if kind == T.REPLY and status == Status.REJECTED}
+        rejected = {h.reason: h.ids for h in replies if h.type == T.REPLY and h.status == Status.REJECTED}
         assert rejected == {wire.PAYLOAD_TOO_LARGE: [100, 103, 106, 109], wire.OVERLOADED: [110, 111]}
         assert srv.stats[0].accepted == 6 and srv.next_rid == 7
         rig.t += 20_000  # the last moment for every request: each is dispatched or dropped now
@@ -111,12 +110,12 @@ def test_submit_rejects_some_and_queues_the_rest_in_order(tmp_path, monkeypatch)
         sent = {}  # rid -> the payload dispatched with it
         for m in rig.drain(rig.ex):
             h = wire.decode(m[0])
-            assert h[1] == T.DISPATCH
-            sent.update(zip(h[5], m[1:]))  # noqa: B905
+            assert h.type == T.DISPATCH
+            sent.update(zip(h.ids, m[1:]))  # noqa: B905
         in_batches = {rid: r for b in srv.batches.values() for rid, r in b.reqs.items()}
         assert sorted(sent) == sorted(in_batches) and sent
         assert all(sent[rid] == b"ok-%d" % (r.cid - 100) for rid, r in in_batches.items())
-        dropped = [c for m in rig.drain(rig.cl) for c in wire.decode(m[0])[2]]
+        dropped = [c for m in rig.drain(rig.cl) for c in wire.decode(m[0]).ids]
         assert sorted([r.cid for r in in_batches.values()] + dropped) == [101, 102, 104, 105, 107, 108]
     finally:
         rig.close()
@@ -141,14 +140,13 @@ def _script(d: Path, monkeypatch: pytest.MonkeyPatch, report_many_from: int) -> 
                 batches.append((h, m[1:]))
             entries = []
             for h, _ in batches:
-                _, _, bid, path, starts, _ = h
-                for hop, v in enumerate(path):
-                    s = starts[hop] + 3 * (hop + 1) + rnd
-                    entries += [v, bid, hop, s - 1, s, s + 150 + 10 * hop]
+                for hop, v in enumerate(h.path):
+                    s = h.starts[hop] + 3 * (hop + 1) + rnd
+                    entries += [v, h.batch, hop, s - 1, s, s + 150 + 10 * hop]
             rig.t += 400
             rig.to_server(wire.feedback(entries))
             for h, frames in batches:
-                rig.to_server(wire.result(h[2], h[5], None), frames)
+                rig.to_server(wire.result(h.batch, h.ids, None), frames)
             out += [wire.decode(m[0]) for m in rig.drain(rig.cl)]
             rig.t += 50
         assert rig.srv.counters["stale_feedback"] == 0
@@ -163,6 +161,6 @@ def test_feedback_reports_one_by_one_equal_one_report_many(tmp_path, monkeypatch
     one = _script(tmp_path / "one", monkeypatch, 1 << 30)
     many = _script(tmp_path / "many", monkeypatch, 0)
     assert one[0] == many[0]
-    assert sum(1 for h in one[0] if h[1] == T.DISPATCH) >= 3
+    assert sum(1 for h in one[0] if h.type == T.DISPATCH) >= 3
     assert np.array_equal(one[1], many[1])
     assert one[2] == many[2] and sum(one[2]) > 0

@@ -112,20 +112,20 @@ def test_malformed_messages_get_errors_not_crashes(emulated):
             return wire.decode(head), rest
 
         h, _ = ask(b"\xc1 not msgpack")
-        assert h[1] == T.ERROR and h[2] == wire.MALFORMED
+        assert h.type == T.ERROR and h.code == wire.MALFORMED
         import msgpack
         h, _ = ask(msgpack.packb([99, T.SUBMIT, "tiny", 0, [1]]), b"x")
-        assert h[1] == T.ERROR and h[2] == wire.VERSION_MISMATCH
+        assert h.type == T.ERROR and h.code == wire.VERSION_MISMATCH
         h, _ = ask(msgpack.packb([wire.VERSION, T.SUBMIT, "tiny", 0, ["a"]]), b"x")
-        assert h[1] == T.ERROR and "SUBMIT.ids" in h[3]
+        assert h.type == T.ERROR and "SUBMIT.ids" in h.message
         h, _ = ask(wire.submit("tiny", 0, [7, 8]), b"only one frame")
-        assert h[1] == T.REPLY and h[2] == [7, 8] and h[3] == Status.REJECTED and h[4] == wire.MALFORMED
+        assert h.type == T.REPLY and h.ids == [7, 8] and h.status == Status.REJECTED and h.reason == wire.MALFORMED
         h, _ = ask(wire.dispatch(1, [0], [0], []))
-        assert h[1] == T.ERROR and "DISPATCH" in h[3]
+        assert h.type == T.ERROR and "DISPATCH" in h.message
         h, rest = ask(wire.submit("tiny", 0, [9]), b"ok")
-        assert h[1] == T.REPLY and h[3] == Status.OK and rest == [b"ok"]
+        assert h.type == T.REPLY and h.status == Status.OK and rest == [b"ok"]
         h, _ = ask(wire.submit("tiny", 0, [10], 2), b"x")
-        assert h[1] == T.REPLY and h[3] == Status.REJECTED and "priority" in h[5]
+        assert h.type == T.REPLY and h.status == Status.REJECTED and "priority" in h.meta
     finally:
         s.close(0)
         ctx.term()

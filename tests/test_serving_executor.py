@@ -63,20 +63,20 @@ class FakeScheduler:
             if self.sock.poll(50):
                 ident, head, *frames = self.sock.recv_multipart()
                 h = wire.decode(head)
-                if h[1] == T.RESULT:
-                    self.piggybacked += h[6]
-                if h[1] == want:
+                if h.type == T.RESULT:
+                    self.piggybacked += h.feedback
+                if h.type == want:
                     return ident, h, frames
                 self.seen.append((ident, h, frames))
         raise AssertionError(f"no {T(want).name} within {timeout_s} s")
 
     def feedback(self, n, timeout_s=10.0):
         """Feedback entries seen so far plus new ones until there are ``n``."""
-        fb = [x for _, h, _ in self.seen if h[1] == T.FEEDBACK for x in h[2]] + self.piggybacked
+        fb = [x for _, h, _ in self.seen if h.type == T.FEEDBACK for x in h.entries] + self.piggybacked
         self.piggybacked = []
-        self.seen = [m for m in self.seen if m[1][1] != T.FEEDBACK]
+        self.seen = [m for m in self.seen if m[1].type != T.FEEDBACK]
         while len(fb) < n * wire.FEEDBACK_STRIDE:
-            fb += self.recv(T.FEEDBACK, timeout_s)[1][2]
+            fb += self.recv(T.FEEDBACK, timeout_s)[1].entries
         k = wire.FEEDBACK_STRIDE
         return [fb[i:i + k] for i in range(0, len(fb), k)]
 
@@ -119,8 +119,8 @@ def test_emulate_two_processes_in_reservation_order(sched, tmp_path):
     idents = {}
     for _ in range(2):
         ident, h, _ = sched.recv(T.REGISTER)
-        idents[h[2][0]] = ident
-        assert h[4] == "emulate" and h[3] == f"ipc://{tmp_path}/data-{h[2][0]}.sock"
+        idents[h.vgpus[0]] = ident
+        assert h.backend == "emulate" and h.data_endpoint == f"ipc://{tmp_path}/data-{h.vgpus[0]}.sock"
     directory = {0: f"ipc://{tmp_path}/data-0.sock", 1: f"ipc://{tmp_path}/data-1.sock"}
     for v in (0, 1):
         sched.send(idents[v], wire.peers(directory))
@@ -132,8 +132,8 @@ def test_emulate_two_processes_in_reservation_order(sched, tmp_path):
     results = {}
     while len(results) < 2:
         ident, h, frames = sched.recv(T.RESULT)
-        results[h[2]] = dict(zip(h[3], frames, strict=True))
-        assert ident == idents[1] and h[5] == []
+        results[h.batch] = dict(zip(h.ids, frames, strict=True))
+        assert ident == idents[1] and h.failed == []
     assert results == {1: {10: b"a", 11: b"b"}, 2: {12: b"c"}}
     entries = sched.feedback(4)
     by = {(b, hop): (v, ready, s, e) for v, b, hop, ready, s, e in entries}
@@ -150,7 +150,7 @@ def test_ort_partitions_fp16_hop_and_bad_frame(sched, tmp_path):
     cfg = write_config(tmp_path, backend="ort")
     sched.spawn(cfg, "0-1")
     ident, h, _ = sched.recv(T.REGISTER)
-    assert h[2] == [0, 1] and h[4] == "ort"
+    assert h.vgpus == [0, 1] and h.backend == "ort"
     sched.send(ident, wire.peers({0: f"ipc://{tmp_path}/data-0.sock"}))
     welcome(sched, ident, [0, 1])
     rng = np.random.default_rng(1)
@@ -159,10 +159,10 @@ def test_ort_partitions_fp16_hop_and_bad_frame(sched, tmp_path):
     got = {}
     while 5 not in got or "failed" not in got:
         _, h, frames = sched.recv(T.RESULT)
-        if h[5]:
-            got["failed"] = h[5]
-        if h[3]:
-            got[5] = (h[3], h[4], frames)
+        if h.failed:
+            got["failed"] = h.failed
+        if h.ids:
+            got[5] = (h.ids, h.meta, frames)
     assert got["failed"][0] == 2 and got["failed"][1].startswith("bad-input: frame of 5 bytes")
     ids, meta, frames = got[5]
     assert ids == [1, 3]
@@ -184,13 +184,13 @@ def test_cancel_and_reregister(sched, tmp_path):
     sched.send(ident, wire.cancel([9]))
     sched.send(ident, wire.dispatch(10, [0, 1], [0, 0], [2]), b"y")
     _, h, frames = sched.recv(T.RESULT)
-    assert h[2] == 10 and frames == [b"y"]
+    assert h.batch == 10 and frames == [b"y"]
     with pytest.raises(AssertionError):
         sched.recv(T.RESULT, timeout_s=0.5)
     # A scheduler that lost its state answers heartbeats with UNREGISTERED: the executor registers again.
     sched.send(ident, wire.error(wire.UNREGISTERED, "who are you"))
     _, h, _ = sched.recv(T.REGISTER)
-    assert h[2] == [0, 1]
+    assert h.vgpus == [0, 1]
 
 
 def test_refusal_and_bad_flags(sched, tmp_path):
@@ -279,17 +279,17 @@ def test_ort_control_stays_responsive_during_a_long_inference(sched, tmp_path):
             continue
         _, head, *frames = sched.sock.recv_multipart()
         h = wire.decode(head)
-        if h[1] == T.HEARTBEAT:
-            beats.append((h[2], h[3]))
-        elif h[1] == T.PRELOADED:
+        if h.type == T.HEARTBEAT:
+            beats.append((h.clock_us, h.queued))
+        elif h.type == T.PRELOADED:
             preloaded = (now_us(), h)
-        elif h[1] == T.RESULT and h[2] == 1:
+        elif h.type == T.RESULT and h.batch == 1:
             result = (now_us(), h)
-        elif h[1] == T.FEEDBACK:
+        elif h.type == T.FEEDBACK:
             sched.seen.append((ident, h, frames))
     assert result is not None, "no RESULT for the long batch"
-    assert result[1][3] == [7] and result[1][5] == []
-    sched.piggybacked += result[1][6]
+    assert result[1].ids == [7] and result[1].failed == []
+    sched.piggybacked += result[1].feedback
     (_, b, hop, ready, start, stop), *_ = [e for e in sched.feedback(1) if e[1] == 1]
     assert hop == 0 and ready <= start <= stop
     assert stop - start >= 500_000, f"the long batch took only {(stop - start) / 1000:.0f} ms"
@@ -300,5 +300,5 @@ def test_ort_control_stays_responsive_during_a_long_inference(sched, tmp_path):
     assert len(during) >= (stop - start) / 50_000 / 4, (len(during), (stop - start) / 1000)
     assert max(gaps) < 300_000, f"heartbeats stalled {max(gaps) / 1000:.0f} ms during the inference"
     assert any(q == 2 for _, q in during), "the DISPATCH sent mid-run was not taken in"
-    assert preloaded is not None and preloaded[1][2] == 3 and preloaded[1][4] == ""
+    assert preloaded is not None and preloaded[1].prep == 3 and preloaded[1].error == ""
     assert preloaded[0] < stop  # answered while the batch ran, not after it

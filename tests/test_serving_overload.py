@@ -94,10 +94,10 @@ def test_backlogged_submit_is_answered_overloaded_at_once(tmp_path, monkeypatch)
         rig.submit([b"x" * 16] * 10, 100)
         replies = _replies(rig)
         assert len(replies) == 1
-        _, kind, ids, status, reason, detail = replies[0]
-        assert (kind, ids, status, reason) == (T.REPLY, list(range(100, 110)), Status.REJECTED,
-                                               wire.OVERLOADED)
-        assert "backlog" in detail
+        h = replies[0]
+        assert (h.type, h.ids, h.status, h.reason) == (T.REPLY, list(range(100, 110)), Status.REJECTED,
+                                                       wire.OVERLOADED)
+        assert "backlog" in h.meta
         assert not srv.reqs and srv.stats[0].accepted == 0
         assert srv.stats[0].rejected[wire.OVERLOADED] == 10
         st = srv.status()
@@ -106,7 +106,7 @@ def test_backlogged_submit_is_answered_overloaded_at_once(tmp_path, monkeypatch)
 
         srv.client_reader = _Behind(rig.t - 1_000)  # 1 ms: within the limit, served
         rig.submit([b"y" * 16] * 4, 200)
-        assert not [h for h in _replies(rig) if h[3] != Status.OK]
+        assert not [h for h in _replies(rig) if h.status != Status.OK]
         assert srv.stats[0].accepted == 4
 
         # a short SLO sheds sooner: after half of it (2 ms SLO: 1 ms)
@@ -114,8 +114,8 @@ def test_backlogged_submit_is_answered_overloaded_at_once(tmp_path, monkeypatch)
         send_parts(rig.cl, [wire.submit(tiny.MODEL, 2_000, [300, 301]), b"a", b"b"])
         assert srv.client.poll(1000)
         srv.on_client(L.recv_parts(srv.client, 0))
-        [h] = [h for h in _replies(rig) if h[2] == [300, 301]]
-        assert (h[3], h[4]) == (Status.REJECTED, wire.OVERLOADED)
+        [h] = [h for h in _replies(rig) if h.ids == [300, 301]]
+        assert (h.status, h.reason) == (Status.REJECTED, wire.OVERLOADED)
     finally:
         rig.close()
 
@@ -124,8 +124,8 @@ def _results_for_dispatches(rig: Rig) -> int:
     """Answer every DISPATCH the executor peer holds with a RESULT now; how many batches."""
     batches = [(wire.decode(m[0]), m[1:]) for m in rig.drain(rig.ex)]
     for h, frames in batches:
-        assert h[1] == T.DISPATCH
-        rig.to_server(wire.result(h[2], h[5], None), frames)
+        assert h.type == T.DISPATCH
+        rig.to_server(wire.result(h.batch, h.ids, None), frames)
     return len(batches)
 
 
@@ -145,19 +145,19 @@ def test_admission_window_follows_executor_lateness(tmp_path, monkeypatch):
         assert st.limit == float("inf")  # one late interval may be a stall of the host
         srv.adjust_limits(rig.t)  # late again
         assert st.limit == S.MIN_LIMIT  # 0.8 x the 8 in flight, but never below the minimum
-        assert [h[3] for h in _replies(rig)] == [Status.OK] * 2
+        assert [h.status for h in _replies(rig)] == [Status.OK] * 2
         assert st.accepted - st.answered == 0
 
         rig.submit([b"y" * 16] * 100, 1000)  # the window takes 64 of them
         replies = _replies(rig)
-        assert [(h[2], h[4]) for h in replies if h[3] != Status.OK] == \
+        assert [(h.ids, h.reason) for h in replies if h.status != Status.OK] == \
             [(list(range(1064, 1100)), wire.OVERLOADED)]
         assert st.accepted - st.answered == 64 and st.limited
 
         rig.submit([b"z" * 16] * 10, 2000)  # no room at all: the whole message, one reply
         [h] = _replies(rig)
-        assert (h[2], h[3], h[4]) == (list(range(2000, 2010)), Status.REJECTED, wire.OVERLOADED)
-        assert "admission window 64" in h[5]
+        assert (h.ids, h.status, h.reason) == (list(range(2000, 2010)), Status.REJECTED, wire.OVERLOADED)
+        assert "admission window 64" in h.meta
         rig.t += 300
         assert _results_for_dispatches(rig) > 0  # on time
         srv.adjust_limits(rig.t)
@@ -256,16 +256,16 @@ def test_flood_past_the_limit_gets_exactly_one_reply_each():
                     while s.poll(0):
                         m = s.recv_multipart()
                         h = wire.decode(m[0])
-                        assert h[1] == T.REPLY
-                        a.update(h[2])
-                        outcome[(h[3], h[4])] += len(h[2])
-                        if h[3] == Status.OK:
-                            assert m[1:] == [b"p%d" % i for i in h[2]]  # each its own result
+                        assert h.type == T.REPLY
+                        a.update(h.ids)
+                        outcome[(h.status, h.reason)] += len(h.ids)
+                        if h.status == Status.OK:
+                            assert m[1:] == [b"p%d" % i for i in h.ids]  # each its own result
                 time.sleep(0.005)
             time.sleep(0.3)  # nothing more may come
             for s, a in zip(socks, answers, strict=True):
                 while s.poll(0):
-                    a.update(wire.decode(s.recv_multipart()[0])[2])
+                    a.update(wire.decode(s.recv_multipart()[0]).ids)
             for a in answers:
                 assert set(a) == set(range(1, want + 1)) and set(a.values()) == {1}
             assert outcome[(Status.REJECTED, wire.OVERLOADED)] > 0
@@ -305,7 +305,7 @@ def test_fair_admission_refuses_the_client_over_its_share(tmp_path, monkeypatch)
         _submit_as(rig, flooder, wire.submit(tiny.MODEL, 0, [5000]), 1)
         [m] = rig.drain(flooder)
         h = wire.decode(m[0])
-        assert (h[2], h[3], h[4]) == ([5000], Status.REJECTED, wire.OVERLOADED) and "fair share" in h[5]
+        assert (h.ids, h.status, h.reason) == ([5000], Status.REJECTED, wire.OVERLOADED) and "fair share" in h.meta
         assert srv.counters["shed_share"] == 1 and st.accepted == big + 2
         assert srv.status()["models"][tiny.MODEL]["clients"] == 2
         # every answer gives the share back: nothing in flight, no active client left
@@ -345,8 +345,8 @@ def test_submit_that_queued_past_its_slo_is_dropped_deadline_at_once(tmp_path, m
         rig.t += 1_000
         _submit_as(rig, rig.cl, wire.submit(tiny.MODEL, 0, [3, 4], 0, rig.t + skew - 100 - 25_000), 2)
         late = [wire.decode(m[0]) for m in rig.drain(rig.cl)]
-        late = [h for h in late if h[2] == [3, 4]]
-        assert [(h[3], h[4]) for h in late] == [(Status.DROPPED, wire.DEADLINE)]
+        late = [h for h in late if h.ids == [3, 4]]
+        assert [(h.status, h.reason) for h in late] == [(Status.DROPPED, wire.DEADLINE)]
         assert srv.counters["late_on_arrival"] == 2 and srv.stats[0].dropped[wire.DEADLINE] >= 2
         # a client that lies (sent_us far in the future) only makes its own later messages look late
         rig.t += 1_000

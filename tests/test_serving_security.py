@@ -39,11 +39,11 @@ class Impostor:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
 
-    def register(self, vgpus: list[int], data_endpoint: str) -> list:
+    def register(self, vgpus: list[int], data_endpoint: str) -> wire.Message:
         self.sock.send(wire.register(vgpus, data_endpoint, "emulate", os.getpid(), 0, 1))
         return self.next()
 
-    def next(self, timeout_s: float = 5.0) -> list:
+    def next(self, timeout_s: float = 5.0) -> wire.Message:
         assert self.sock.poll(int(timeout_s * 1000)), "no answer from the scheduler"
         return wire.decode(self.sock.recv_multipart()[0])
 
@@ -56,7 +56,7 @@ def test_forged_results_never_reach_a_client(cluster, tmp_path):
     imp = Impostor(cfg.executor)
     try:
         h = imp.register([200], f"ipc://{tmp_path}/impostor.sock")  # a vGPU the plan lacks: standby
-        assert h[1] == T.WELCOME
+        assert h.type == T.WELCOME
         before = c.status()["counters"].get("foreign_results", 0)
         lo = c.status()["totals"]["accepted"]
         stop = threading.Event()
@@ -94,16 +94,16 @@ def test_bad_endpoints_and_malformed_results_are_refused(cluster):
     imp = Impostor(cfg.executor)
     try:
         h = imp.register([201], "bogus-endpoint")
-        assert h[1] == T.ERROR and h[2] == "bad-endpoint"
+        assert h.type == T.ERROR and h.code == "bad-endpoint"
         imp2 = Impostor(cfg.executor)
         try:
-            assert imp2.register([202], "ipc:///tmp/ppiped-sec-unused.sock")[1] == T.WELCOME
+            assert imp2.register([202], "ipc:///tmp/ppiped-sec-unused.sock").type == T.WELCOME
             # a 'failed' entry that is not [id, reason, ...]: an error back, no traceback
             imp2.sock.send_multipart([wire.result(1, [], None, [[1, 2], "x"], [])])
             h = imp2.next()
-            while h[1] != T.ERROR:
+            while h.type != T.ERROR:
                 h = imp2.next()
-            assert h[2] == wire.MALFORMED and "failed" in h[3]
+            assert h.code == wire.MALFORMED and "failed" in h.message
         finally:
             imp2.close()
         with Client(c.client_endpoint, timeout_s=10) as cl:
@@ -126,11 +126,11 @@ def test_empty_submit_is_answered(cluster):
         s.send(wire.submit("tiny", 0, []))
         assert s.poll(5000), "a SUBMIT without requests got no answer"
         h = wire.decode(s.recv_multipart()[0])
-        assert h[1] == T.ERROR and h[2] == wire.MALFORMED
+        assert h.type == T.ERROR and h.code == wire.MALFORMED
         s.send_multipart([wire.submit("tiny", 3_600_000_000, [5]), b"x"])  # an hour's SLO
         assert s.poll(5000)
         h = wire.decode(s.recv_multipart()[0])
-        assert h[1] == T.REPLY and h[3] == Status.REJECTED and "max_slo_ms" in h[5]
+        assert h.type == T.REPLY and h.status == Status.REJECTED and "max_slo_ms" in h.meta
     finally:
         ctx.destroy(0)
 
@@ -218,7 +218,7 @@ def test_curve_executor_keys_are_bound_to_their_vgpus(curve_cluster, tmp_path):
         s.send(wire.register([2], f"ipc://{tmp_path}/x.sock", "emulate", os.getpid(), 0, 9))
         assert s.poll(5000)
         h = wire.decode(s.recv_multipart()[0])
-        assert h[1] == T.ERROR and h[2] == "unauthorized-vgpu" and "0-1" in h[3]
+        assert h.type == T.ERROR and h.code == "unauthorized-vgpu" and "0-1" in h.message
         # a client's key does not open the executor socket at all
         s2 = ctx.socket(zmq.DEALER)
         s2.setsockopt(zmq.LINGER, 0)

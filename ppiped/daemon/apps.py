@@ -159,16 +159,16 @@ class Queries:
 
     # --- QUERY --------------------------------------------------------------------------------
 
-    def on_query(self, ident: bytes, h: list, msg: list, t: int) -> None:
+    def on_query(self, ident: bytes, h: wire.Query, msg: list, t: int) -> None:
         """A QUERY: refused at once, or its root stage request queued. Never raises: a bug here
         still answers the query (``failed``) and is logged."""
         try:
             self._on_query(ident, h, msg, t)
         except Exception as e:
-            q = self.live.get((ident, h[4]))
+            q = self.live.get((ident, h.qid))
             self._internal(e, q)
             if q is None:
-                send_parts(self.srv.client, [ident, wire.answer(h[4], Status.REJECTED, wire.FAILED, "",
+                send_parts(self.srv.client, [ident, wire.answer(h.qid, Status.REJECTED, wire.FAILED, "",
                                                                 f"internal error: {type(e).__name__}")])
 
     def _internal(self, e: Exception, q: Query | None) -> None:
@@ -185,8 +185,8 @@ class Queries:
                 q.answered = True
                 self.live.pop((q.ident, q.qid), None)
 
-    def _on_query(self, ident: bytes, h: list, msg: list, t: int) -> None:
-        _, _, name, slo_us, qid, stages, prio, sent = h
+    def _on_query(self, ident: bytes, h: wire.Query, msg: list, t: int) -> None:
+        name, slo_us, qid, stages, prio, sent = h.app, h.slo_us, h.qid, h.stages, h.priority, h.sent_us
         srv = self.srv
         frames = msg[2:]
         app = self.apps.get(name)

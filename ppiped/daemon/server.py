@@ -552,7 +552,7 @@ class Server:
             send_parts(self.client, [ident, wire.error(e.code, str(e)) if qid is None else
                                      wire.answer(qid, Status.REJECTED, e.code, "", str(e))])
             return
-        kind = h[1]
+        kind = h.type
         if kind == T.SUBMIT:
             self.on_submit(ident, h, msg, t)
         elif kind == T.QUERY:
@@ -565,7 +565,7 @@ class Server:
                     "vgpus_alive": self.alive_vgpus()}
             if self.queries.apps:
                 info["apps"] = self.queries.info()
-            send_parts(self.client, [ident, wire.pong(h[2], info)])
+            send_parts(self.client, [ident, wire.pong(h.token, info)])
         else:
             self.counters["malformed"] += 1
             send_parts(self.client, [ident, wire.error(wire.MALFORMED,
@@ -579,8 +579,8 @@ class Server:
                 "input_bytes": self.input_bytes[i] or (spec["bytes"] if spec else 0),
                 "input": spec}
 
-    def on_submit(self, ident: bytes, h: list, msg: list, t: int) -> None:
-        _, _, model, slo_us, ids, prio, sent = h
+    def on_submit(self, ident: bytes, h: wire.Submit, msg: list, t: int) -> None:
+        model, slo_us, ids, prio, sent = h.model, h.slo_us, h.ids, h.priority, h.sent_us
         frames = msg[2:]
         if not ids:
             self.counters["malformed"] += 1
@@ -999,23 +999,23 @@ class Server:
             return
         try:
             h = wire.decode(msg[1])
-            kind = h[1]
+            kind = h.type
             ex = self.execs.get(ident)
             if kind == T.RESULT:
                 if ex is not None:
-                    if h[6]:
-                        self.on_feedback(ex, h[6])
+                    if h.feedback:
+                        self.on_feedback(ex, h.feedback)
                     self.on_result(ex, h, msg[2:])
             elif kind == T.FEEDBACK:
                 if ex is not None:
-                    self.on_feedback(ex, h[2])
+                    self.on_feedback(ex, h.entries)
             elif kind == T.HEARTBEAT:
                 if ex is None:
                     self._send_exec(ident, wire.error(wire.UNREGISTERED, "register first"))
                     return
                 t = now_us()
                 ex.last_seen = t
-                ex.clock_sample(h[2], t)
+                ex.clock_sample(h.clock_us, t)
                 if not ex.ready and not ex.rewelcome:
                     self.ready(ex)
             elif kind == T.REGISTER:
@@ -1024,7 +1024,7 @@ class Server:
                 if ex is not None:
                     self.remove_executor(ex, "bye")
             elif kind == T.PRELOADED:
-                self.replanner.on_preloaded(ident, h[2], h[3], h[4])
+                self.replanner.on_preloaded(ident, h.prep, h.load_us, h.error)
             else:
                 raise wire.ProtocolError(wire.MALFORMED, f"an executor may not send {T(kind).name}")
             if ex is not None:
@@ -1057,8 +1057,9 @@ class Server:
             self.decide(now_us())
         self._kick()
 
-    def on_register(self, ident: bytes, h: list, key: bytes | None = None) -> None:
-        _, _, vgpus, endpoint, backend, pid, clock, incarnation = h
+    def on_register(self, ident: bytes, h: wire.Register, key: bytes | None = None) -> None:
+        vgpus, endpoint, backend, pid, clock, incarnation = (h.vgpus, h.data_endpoint, h.backend, h.pid,
+                                                             h.clock_us, h.incarnation)
         sec = self.cfg.security
         if sec.curve:
             mine = sec.executors.get(key or b"", frozenset())
@@ -1188,8 +1189,8 @@ class Server:
         b.reqs.clear()
         self._requeue(reqs)
 
-    def on_result(self, ex: ExecState, h: list, frames: list) -> None:
-        _, _, bid, ids, meta, failed, _ = h
+    def on_result(self, ex: ExecState, h: wire.Result, frames: list) -> None:
+        bid, ids, meta, failed = h.batch, h.ids, h.meta, h.failed
         if len(failed) % 2 or not all(type(failed[i]) is int and type(failed[i + 1]) is str
                                       for i in range(0, len(failed), 2)):
             raise wire.ProtocolError(wire.MALFORMED, "RESULT.failed: expected a flat list "

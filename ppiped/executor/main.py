@@ -302,21 +302,21 @@ class Executor:
     def on_ctl(self, msg: list) -> None:
         try:
             h = wire.decode(msg[0])
-            t = h[1]
+            t = h.type
             if t == T.DISPATCH:
-                _, _, batch, path, starts, ids = h
+                ids = h.ids
                 wire.expect_frames(h, len(msg) - 1, len(ids))
-                self.accept(Job(batch, path, starts, 0, ids, msg[1:], None, now_us(), next(self.seq)))
+                self.accept(Job(h.batch, h.path, h.starts, 0, ids, msg[1:], None, now_us(), next(self.seq)))
             elif t == T.CANCEL:
-                self.on_cancel(h[2])
+                self.on_cancel(h.batches)
             elif t == T.PEERS:
-                self.on_peers(h[2])
+                self.on_peers(h.directory)
             elif t == T.WELCOME:
-                self.on_welcome(h[2], h[3])
+                self.on_welcome(h.assignments, h.heartbeat_ms)
             elif t == T.PREPARE:
-                self.on_prepare(h[2], h[3])
+                self.on_prepare(h.prep, h.assignments)
             elif t == T.ERROR:
-                self.on_error(h[2], h[3])
+                self.on_error(h.code, h.message)
             elif t == T.ALIVE:
                 pass
             else:
@@ -557,9 +557,9 @@ class Executor:
     def on_data(self, msg: list) -> None:
         try:
             h = wire.decode(msg[0])
-            if h[1] != T.FORWARD:
-                raise wire.ProtocolError(wire.MALFORMED, f"unexpected {T(h[1]).name} on the data socket")
-            _, _, batch, path, starts, hop, ids, meta = h
+            if h.type != T.FORWARD:
+                raise wire.ProtocolError(wire.MALFORMED, f"unexpected {T(h.type).name} on the data socket")
+            batch, path, starts, hop, ids, meta = h.batch, h.path, h.starts, h.hop, h.ids, h.meta
             if meta is None:  # per-request frames; with a tensor spec, the batch's feature map(s)
                 wire.expect_frames(h, len(msg) - 1, len(ids))
             elif len(msg) < 2:
