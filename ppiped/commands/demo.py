@@ -10,6 +10,9 @@ the example's profile (a plan made by ``ppiped plan``); the example planned now 
 planner on ``--cluster`` (default ``plans/example/cluster.toml``, else a small V100+P4 cluster);
 the tiny two-pool plan of :mod:`ppiped.executor.tiny` where the example is absent.
 
+``--app`` runs something else: the example app (detector -> crop glue -> classifier) served with
+real ONNX Runtime executors on this host's CPUs and driven by queries (:mod:`.demo_app`).
+
 Time scale: emulated executors sleep the profiled latencies, and a Python scheduler reacts in
 tens to hundreds of microseconds. When an SLO is only a millisecond or two (the example CNN is
 small), those reaction times would be a large part of it, so the demo runs the whole cluster
@@ -75,8 +78,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "by-hand runner (see ppiped/commands/demo_app.py)")
     a.add_argument("--app", action="store_true",
                    help="serve the example app instead of the emulated example plan; queries at "
-                        "--load-factor x the planned query rate for --duration s")
-    a.add_argument("--vgpus", type=int, help="--app: CPU vGPUs to plan on (default: min(2, CPUs))")
+                        "--load-factor x the planned query rate for --duration s (no CPU "
+                        "pinning: the ORT vGPUs need the cores)")
+    a.add_argument("--vgpus", type=int, help="--app: CPU vGPUs to plan on, at most the CPUs (default: "
+                                             "min(2, CPUs))")
     a.add_argument("--slo-ms", type=float, help="--app: the app's end-to-end SLO on CPU (default 300)")
     p.set_defaults(func=run)
 

@@ -363,7 +363,11 @@ def run_app_demo(args: Any, work: Path) -> dict[str, Any]:
     """The whole demo in ``work``: prepare, serve, a few queries one by one, the load; a report."""
     import uvloop
 
-    vgpus = args.vgpus or min(2, len(os.sched_getaffinity(0)))
+    cpus = len(os.sched_getaffinity(0))
+    vgpus = args.vgpus or min(2, cpus)
+    if not 1 <= vgpus <= cpus:
+        raise InputError(f"--vgpus {vgpus}: between 1 and this host's {cpus} CPUs (an ORT vGPU "
+                         "runs one thread and needs a core)")
     p = prepare(work, vgpus=vgpus, slo_ms=args.slo_ms or CPU_SLO_MS)
     rate = query_rate(p.plan, p.app) * args.load_factor
     t0 = time.perf_counter()
