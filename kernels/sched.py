@@ -387,7 +387,7 @@ def probe(A, F, p, b, now, buf):
     A[H_CALL_PROBES] += 1
     # margins at the high quantile while the model is under pressure (see _ppipe_queue)
     m = A[off(A, X_PIPE_MODEL) + p]
-    o_mg = off(A, X_V_MARGIN_HI) if A[H_PARD] != 0 and F[off(A, X_Q_HBF) + m] > now else off(A, X_V_MARGIN)
+    o_mg = off(A, X_V_MARGIN_HI) if F[off(A, X_Q_HBF) + m] > now else off(A, X_V_MARGIN)
     t = now
     prev_s = -1
     busy = 0.0
@@ -647,7 +647,7 @@ def _hi_allowance(A, F, p, buf, now):
     """How much later the path in scratch ``buf`` would end with every hop at its vGPU's
     high-quantile margin instead of the margin the probe used (0 under pressure: it used it).
     A vGPU that has reported too few uses to know its quantile counts at ``F_MARGIN_PRIOR``."""
-    if A[H_PARD] != 0 and F[off(A, X_Q_HBF) + A[off(A, X_PIPE_MODEL) + p]] > now:
+    if F[off(A, X_Q_HBF) + A[off(A, X_PIPE_MODEL) + p]] > now:
         return 0.0
     K = A[H_K]
     o_vg = off(A, X_PR_VG) + buf * K

@@ -106,7 +106,8 @@ def run_lockstep(seed: int, policy: str = "ppipe", n_req: int = 60, fail_vgpu: b
     sch = Scheduler(plan, profiles, policy, **(sched_kw or {}))
     lay = sch.layout
     ref = RefScheduler(lay, "reactive" if policy == "reactive" else "ppipe",
-                       early_drop=policy == "ppipe-early-drop", pard=policy == "pard") if check_ref else None
+                       early_drop=policy == "ppipe-early-drop", pard=policy == "pard",
+                       noise_z=(sched_kw or {}).get("noise_z", 0.0)) if check_ref else None
     M = len(lay.models)
     ev: list = []
     order = 0
@@ -233,6 +234,12 @@ def _check_tables(sch):
 @given(st.integers(0, 10**6))
 def test_ppipe_matches_reference(seed):
     run_lockstep(seed, "ppipe")
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from(["ppipe", "pard"]))
+def test_noise_guard_matches_reference(seed, policy):
+    run_lockstep(seed, policy, sched_kw={"noise_z": 1.5})
 
 
 @settings(max_examples=20, deadline=None)

@@ -35,9 +35,9 @@ def add_world_args(p: argparse.ArgumentParser) -> None:
                         "work-conserving; 0: never early)")
     p.add_argument("--margin-quantile", type=float, default=0.5,
                    help="quantile of measured/profiled latency each vGPU's reservations cover (default 0.5)")
-    p.add_argument("--noise-z", type=float, default=1.0,
+    p.add_argument("--noise-z", type=float, default=0.0,
                    help="deadline checks keep this many standard deviations of the path's latency "
-                        "noise (default 1; 0: none)")
+                        "noise (default 0: none)")
     p.add_argument("--base-plan", help="plan whose per-model throughput is load factor 1.0 "
                                        "(default: the _v4 sibling of a reference plan, else the plan itself)")
 

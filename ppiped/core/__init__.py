@@ -30,7 +30,7 @@ The scheduler
 -------------
 ``Scheduler(plan, profiles, policy="ppipe", layout=None, *, min_wait_us=1.0, wait_guard_us=0.0,
 margin_quantile=0.5, margin_quantile_hi=0.99, margin_step=0.02, margin_max=4.0, margin_prior=1.25,
-class_room=0.25, pressure_room=0.2, noise_z=1.0, work_conserving=True)``
+class_room=0.25, pressure_room=0.2, noise_z=0.0, work_conserving=True)``
 
 - ``submit(req_id, model, arrival_us, deadline_us=None, priority=0)``: queue a request (deadline
   defaults to arrival + the model's SLO from the plan). ``priority`` > 0 is the high class
@@ -65,12 +65,13 @@ class_room=0.25, pressure_room=0.2, noise_z=1.0, work_conserving=True)``
   margins: two quantiles (``margin_quantile``, ``margin_quantile_hi``) of measured / profiled
   latency. Inferences are reserved for profile x margin: the low quantile (the median by
   default: a higher one books every run longer than it takes, and at high load the tables then
-  look fuller than the GPUs are, which turns into drops), the high one while a ``pard`` model is
-  under pressure (it dropped within one SLO). Deadline checks keep ``noise_z`` standard
-  deviations of the path's noise on top of the booked finish: each vGPU's log-sd is read off its
-  high margin, and a hop's variance is its own run plus the runs booked before it on its vGPU
-  (their noise shifts its start), so the guard grows with the square root of the time booked
-  ahead where per-booking margins grow linearly; dispatches report the booked end. Optional:
+  look fuller than the GPUs are, which turns into drops), the high one while the model is under
+  pressure (it dropped within one SLO: back-to-back bookings then cascade every overrun).
+  Optionally (``noise_z`` > 0) deadline checks keep that many standard deviations of the path's
+  noise on top of the booked finish: each vGPU's log-sd is read off its learned high margin, and
+  a hop's variance is its own run plus the runs booked before it on its vGPU, so the guard grows
+  with the square root of the time booked ahead; dispatches report the booked end. (Off by
+  default: with the high margins under pressure it cost more drops than it saved late ends.) Optional:
   uncorrected reservations simply expire and margins stay at 1. Under reactive it is required: reporting a ``claim`` frees the vGPU and moves
   the batch on to the next pool (failure: back to the queue it came from).
 - ``remove_vgpu(v)`` / ``restore_vgpu(v)``: a failed executor. Its reservations are released and

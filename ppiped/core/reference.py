@@ -103,7 +103,7 @@ class RefScheduler:
                  wait_guard_us: float = 0.0, early_drop: bool = False, margin_quantile: float = 0.5,
                  margin_quantile_hi: float = 0.99, margin_step: float = 0.02, margin_max: float = 4.0,
                  work_conserving: bool = True, pard: bool = False, margin_prior: float = 1.25,
-                 class_room: float = 0.25, pressure_room: float = 0.2, noise_z: float = 1.0):
+                 class_room: float = 0.25, pressure_room: float = 0.2, noise_z: float = 0.0):
         self.L = layout
         self.policy = policy
         self.min_wait = min_wait_us
@@ -177,7 +177,7 @@ class RefScheduler:
         profiled L)]."""
         L = self.L
         t, prev_s, busy, hops = now, -1, 0.0, []
-        hi = int(self.pard and self.hbf_until[int(L.pipe_model[p])] > now)
+        hi = int(self.hbf_until[int(L.pipe_model[p])] > now)
         var = 0.0
         tent: list[tuple[int, float, float]] = []
         for k in range(int(L.pipe_npools[p])):
@@ -227,7 +227,7 @@ class RefScheduler:
             var += sd * sd * lv * (lv + max(s - now, 0.0))
         if self.noise_z > 0.0:
             return t + self.noise_z * math.sqrt(var), t - now - busy, hops
-        return t, t - now - busy, hops, hops
+        return t, t - now - busy, hops
 
     def decide(self, now: float):
         """Returns (dispatches, drops [(rid, reason)], wake_at)."""
@@ -311,7 +311,7 @@ class RefScheduler:
                 if fn <= dh:
                     # wait only while more requests are expected, and leave the room the
                     # high-quantile margins would take
-                    extra = 0.0 if self.pard and self.hbf_until[m] > now else sum(
+                    extra = 0.0 if self.hbf_until[m] > now else sum(
                         (self._hi(h[0]) - self.margin[h[0]][0]) * h[5] for h in hn)
                     slack = dh - fn - 2.0 * extra - self.guard
                     if slack >= self.min_wait and slack >= self.gap[m] and self._worth_waiting(m, p, n, chosen):

@@ -161,7 +161,7 @@ class Scheduler:
                  layout: Layout | None = None, *, min_wait_us: float = 1.0, wait_guard_us: float = 0.0,
                  margin_quantile: float = 0.5, margin_quantile_hi: float = 0.99, margin_step: float = 0.02,
                  margin_max: float = 4.0, margin_prior: float = 1.25, class_room: float = 0.25,
-                 pressure_room: float = 0.2, noise_z: float = 1.0,
+                 pressure_room: float = 0.2, noise_z: float = 0.0,
                  work_conserving: bool = True,
                  table_capacity: int = 32, queue_capacity: int = 256, request_slots: int = 1024):
         if isinstance(policy, str):

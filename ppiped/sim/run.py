@@ -63,7 +63,7 @@ class SimOptions:
     margin_step: float = 0.02
     class_room: float = 0.25  # share of the SLO the low class leaves to the high class
     pressure_room: float = 0.2  # PARD: most of the SLO left unbooked under pressure (learned below it)
-    noise_z: float = 1.0  # deadline checks keep this many sds of the path's latency noise
+    noise_z: float = 0.0  # deadline checks keep this many sds of the path's latency noise
     margin_quantile_hi: float = 0.99  # the margins' quantile while a model is under pressure
 
 
