@@ -33,8 +33,8 @@ def add_world_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-early-us", type=float, default=float("inf"),
                    help="executors may start a batch this long before its reserved start (default inf: "
                         "work-conserving; 0: never early)")
-    p.add_argument("--margin-quantile", type=float, default=0.5,
-                   help="quantile of measured/profiled latency each vGPU's reservations cover (default 0.5)")
+    p.add_argument("--margin-quantile", type=float, default=0.9,
+                   help="quantile of measured/profiled latency each vGPU's reservations cover (default 0.9)")
     p.add_argument("--noise-z", type=float, default=0.0,
                    help="deadline checks keep this many standard deviations of the path's latency "
                         "noise (default 0: none)")

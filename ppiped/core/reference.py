@@ -100,7 +100,7 @@ class RefScheduler:
     when deadlines tie the kernel may order them differently, so tests use distinct deadlines."""
 
     def __init__(self, layout: Layout, policy: str = "ppipe", min_wait_us: float = 1.0,
-                 wait_guard_us: float = 0.0, early_drop: bool = False, margin_quantile: float = 0.5,
+                 wait_guard_us: float = 0.0, early_drop: bool = False, margin_quantile: float = 0.9,
                  margin_quantile_hi: float = 0.99, margin_step: float = 0.02, margin_max: float = 4.0,
                  work_conserving: bool = True, pard: bool = False, margin_prior: float = 1.25,
                  class_room: float = 0.25, pressure_room: float = 0.2, noise_z: float = 0.0):

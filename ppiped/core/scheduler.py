@@ -159,7 +159,7 @@ class Scheduler:
 
     def __init__(self, plan: Plan, profiles: dict[str, Profile], policy: str | Policy = "ppipe",
                  layout: Layout | None = None, *, min_wait_us: float = 1.0, wait_guard_us: float = 0.0,
-                 margin_quantile: float = 0.5, margin_quantile_hi: float = 0.99, margin_step: float = 0.02,
+                 margin_quantile: float = 0.9, margin_quantile_hi: float = 0.99, margin_step: float = 0.02,
                  margin_max: float = 4.0, margin_prior: float = 1.25, class_room: float = 0.25,
                  pressure_room: float = 0.2, noise_z: float = 0.0,
                  work_conserving: bool = True,

@@ -59,7 +59,7 @@ class SimOptions:
     nic_fifo: bool = True
     min_wait_us: float = 1.0
     wait_guard_us: float = 0.0
-    margin_quantile: float = 0.5
+    margin_quantile: float = 0.9
     margin_step: float = 0.02
     class_room: float = 0.25  # share of the SLO the low class leaves to the high class
     pressure_room: float = 0.2  # PARD: most of the SLO left unbooked under pressure (learned below it)
