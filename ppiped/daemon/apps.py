@@ -34,7 +34,7 @@ from ..security import peer_key
 from ..wire import Status
 from .config import ConfigError
 from .loop import now_us, send_parts
-from .server import CLOCK_WINDOW_US, Peer, Req, Share
+from .server import Peer, Req, Share
 
 if TYPE_CHECKING:
     from .server import Server
@@ -232,7 +232,7 @@ class Queries:
         if peer is None or (srv.cfg.security.curve and peer.key != peer_key(msg[1])):
             peer = srv._new_peer(ident, msg[1], t)
         peer.seen = t
-        delay = _queue_delay(peer, t, sent, slo)
+        delay = peer.queue_delay(t, sent, slo)
         if delay >= slo:
             ast.accepted += 1
             ast.dropped[root.name][wire.DEADLINE] += 1
@@ -485,17 +485,3 @@ class Queries:
 def _bytes(f: Any) -> bytes:
     return f.bytes if hasattr(f, "bytes") else bytes(f)
 
-
-def _queue_delay(peer: Peer, t: int, sent: int, slo: int) -> int:
-    """How long a message sent at the client's ``sent`` (µs, its clock; 0: unknown) queued before
-    the daemon read it at ``t``: as :meth:`Server.on_submit` reckons it, with the same per-client
-    clock offset (the least receive - send over the last one or two windows)."""
-    if not sent:
-        return 0
-    d = t - sent
-    if t >= peer.off_at:
-        peer.off_prev, peer.off, peer.off_at = peer.off, d, t + CLOCK_WINDOW_US
-    elif d < peer.off:
-        peer.off = d
-    off = peer.off if peer.off < peer.off_prev else peer.off_prev
-    return d - off if d - off < slo else slo

@@ -140,6 +140,21 @@ class Peer:
         self.seen = t
         self.epoch = self.msgs = 0  # messages read since the client socket fell behind at ``epoch``
 
+    def queue_delay(self, t: int, sent: int, slo: int) -> int:
+        """How long a message sent at the client's ``sent`` (µs, its clock; 0: unknown) queued
+        before the daemon read it at ``t``, at most ``slo``. (receive - sent) is the client's clock
+        offset plus its base delay plus the queueing; the least over the last window or two is
+        the first two (as executors' offsets). A lying client harms only its own requests."""
+        if not sent:
+            return 0
+        d = t - sent
+        if t >= self.off_at:
+            self.off_prev, self.off, self.off_at = self.off, d, t + CLOCK_WINDOW_US
+        elif d < self.off:
+            self.off = d
+        off = self.off if self.off < self.off_prev else self.off_prev
+        return d - off if d - off < slo else slo
+
 
 class Batch:
     """A dispatched batch until every request in it is answered and every hop reported."""
@@ -623,20 +638,10 @@ class Server:
         sh = peer.shares.get(model)
         if sh is None or sh.st is not st:  # (a replan may have removed the model, then added it back)
             sh = peer.shares[model] = Share(st)
-        delay = 0  # how long the message queued before the daemon read it (0: not known)
-        if sent:
-            # (receive - sent) is the client's clock offset plus its base delay plus the queueing;
-            # the least over the last window or two is the first two (as executors' offsets)
-            d = t - sent
-            if t >= peer.off_at:
-                peer.off_prev, peer.off, peer.off_at = peer.off, d, t + CLOCK_WINDOW_US
-            elif d < peer.off:
-                peer.off = d
-            off = peer.off if peer.off < peer.off_prev else peer.off_prev
-            delay = d - off if d - off < slo else slo  # a lying client harms only its own requests
-            if delay == slo:
-                self._late_on_arrival(ident, ids, st, prio, delay)
-                return
+        delay = peer.queue_delay(t, sent, slo)  # how long it queued before the daemon read it
+        if delay == slo:
+            self._late_on_arrival(ident, ids, st, prio, delay)
+            return
         behind_us = min(self.max_backlog_us, slo >> 1)
         # Fair admission: with other clients in flight for this model, a client at its fair share
         # of the model's capacity takes no more (max-min: what the others leave unused is free)
