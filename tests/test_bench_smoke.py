@@ -153,7 +153,7 @@ def test_dag_bench_short_run():
     recs = _json_lines([str(BENCH / "dag.py"), "--apps", "2", "--loads", "1.3", "--duration", "1",
                         "--seeds", "1", "--time-limit", "10"])
     runs = [r for r in recs if "system" in r]
-    assert {r["system"] for r in runs} == {"split", "e2e", "chain"}
+    assert {r["system"] for r in runs} == {"split", "e2e", "chain", "e2e-ppipe"}
     for r in runs:
         assert r["queries"] > 0 and r["ok"] + r["late"] + sum(r["dropped"].values()) == r["queries"]
         assert 0 <= r["invalid_rate"] <= 1

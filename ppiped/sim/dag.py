@@ -285,6 +285,9 @@ SYSTEMS = {
     "split": ("split", "ppipe-early-drop"),  # Nexus: per-stage SLO split, early drop per stage
     "e2e": ("e2e", "pard"),  # PARD: one end-to-end budget, proactive drop on the whole path
     "chain": ("chain", "ppipe"),  # a client chaining per-stage submissions by hand
+    # PARD's end-to-end deadlines and whole-path check before a stage's children arrive, with
+    # PPipe's batching inside each model (which shrinks a batch rather than drop within a stage)
+    "e2e-ppipe": ("e2e", "ppipe"),
 }
 
 
