@@ -110,7 +110,7 @@ class QueryTracker:
         if self.mode == "e2e" and estimate is not None and count > 0:
             # PARD's check at the next stage's admission, now that the number of inputs is
             # known (the simulator's engine._children_in_time applies the same rule)
-            rest = self._rest(stage, estimate)
+            rest = self._rest(stage, estimate, count)
             need = float(estimate(stage, count)) + (rest[stage] if rest else 0.0)
             if now_us + need > self.deadline_us:
                 self._fail(self.app.stages[stage].name, "early-drop",
@@ -173,7 +173,7 @@ class QueryTracker:
             return []
         rest = None
         if self.mode == "e2e":
-            rest = self._rest(stage, estimate)
+            rest = self._rest(stage, estimate, len(keys))
         d = stage_deadline_us(self.app, stage, self.mode, self.arrival_us, self.deadline_us, now_us, rest)
         out = []
         for k in keys:
@@ -182,9 +182,11 @@ class QueryTracker:
         self.open += len(keys)
         return out
 
-    def _rest(self, stage: int, estimate: Estimate | None) -> list[float] | None:
-        """The downstream path's expected time below ``stage`` (PARD): only the stages under it
-        are estimated, each for the requests one parent request gives it (its fan-out)."""
+    def _rest(self, stage: int, estimate: Estimate | None, k: int = 1) -> list[float] | None:
+        """The downstream path's expected time below ``k`` requests of ``stage`` arriving
+        together (PARD): only the stages under it are estimated, its children for what the ``k``
+        yield together, deeper ones for one parent request's fan-out (the simulator's
+        ``engine._rest``)."""
         if estimate is None or not self._kids[stage]:
             return None
         stages = self.app.stages
@@ -192,7 +194,8 @@ class QueryTracker:
         todo = list(self._kids[stage])
         while todo:
             c = todo.pop()
-            est[c] = float(estimate(c, max(1, math.ceil(stages[c].fanout))))
+            n = max(1, math.ceil(stages[c].fanout))
+            est[c] = float(estimate(c, n * k if stages[c].parent == stage else n))
             todo.extend(self._kids[c])
         return downstream_us(self.app, est)
 

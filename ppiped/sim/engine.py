@@ -437,10 +437,11 @@ def _end_request(si, rid, now, dq_f, arr_m, r_state, r_end, miss, miss_allow, st
 
 
 @njit(cache=True)
-def _rest(A, F, m, now, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp):
-    """What model ``m``'s downstream app stages need after it ends, now: per child stage a glue
-    step, the core's estimate for its expected requests (``kernels.sched.stage_estimate``) and
-    its own downstream, the slowest child counting (:func:`ppiped.query.app.downstream_us`)."""
+def _rest(A, F, m, k, now, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp):
+    """What ``k`` requests of model ``m`` arriving together need after they end, now: per child
+    stage a glue step, the core's estimate for the requests they yield together
+    (``kernels.sched.stage_estimate``) and its own downstream, the slowest child counting
+    (:func:`ppiped.query.app.downstream_us`; deeper stages at one parent request's yield)."""
     if m_c0[m] == m_c0[m + 1]:
         return 0.0
     for i in range(m_order.shape[0]):  # children before parents
@@ -448,7 +449,7 @@ def _rest(A, F, m, now, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp):
         r = 0.0
         for j in range(m_c0[d], m_c0[d + 1]):
             c = m_cm[j]
-            x = m_glue[c] + K.stage_estimate(A, F, c, m_n[c], now) + rest_tmp[c]
+            x = m_glue[c] + K.stage_estimate(A, F, c, m_n[c] * (k if d == m else 1), now) + rest_tmp[c]
             if x > r:
                 r = x
         rest_tmp[d] = r
@@ -470,7 +471,7 @@ def _children_in_time(A, F, rid, now, arr_m, dq_i, dq_f, m_c0, m_cm, m_n, m_orde
         while c < c1 and arr_m[c] == m:
             k += 1
             c += 1
-        if now + K.stage_estimate(A, F, m, k, now) + _rest(A, F, m, now, m_c0, m_cm, m_n, m_order, m_glue,
+        if now + K.stage_estimate(A, F, m, k, now) + _rest(A, F, m, k, now, m_c0, m_cm, m_n, m_order, m_glue,
                                                           rest_tmp) > dl:
             K._pressure(A, F, m, now)  # a drop of m's requests, as PARD counts them
             return False
@@ -601,15 +602,21 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
                                                       m_order, m_glue, rest_tmp)):
                         q_fail[q] = Q_FAIL_SPAWN
                     if q_fail[q] == 0 or not stop_late:
-                        for c in range(dq_i[item, DQ_C0], dq_i[item, DQ_C0] + dq_i[item, DQ_NC]):
+                        c0 = dq_i[item, DQ_C0]
+                        c1 = c0 + dq_i[item, DQ_NC]
+                        for c in range(c0, c1):
                             m = arr_m[c]
                             arr_t[c] = now
                             mode = dq_i[c, DQ_MODE]
                             if mode == DM_REL:
                                 dl = now + dq_f[c, DF_DC]
                             elif mode == DM_E2E:
+                                k = 0  # its siblings of the same stage arrive with it
+                                for c2 in range(c0, c1):
+                                    if arr_m[c2] == m:
+                                        k += 1
                                 dl = dq_f[c, DF_DL] - max(dq_f[c, DF_DC], _rest(
-                                    A, F, m, now, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp))
+                                    A, F, m, k, now, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp))
                             else:
                                 dl = dq_f[c, DF_DC]
                             st = K.submit(A, c, m, now, dl, arr_p[c])
@@ -712,8 +719,8 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
             while ai < n_arr and arr_t[ai] == now:
                 m = arr_m[ai]
                 if dq_i[ai, DQ_MODE] == DM_E2E:
-                    dl = dq_f[ai, DF_DL] - max(dq_f[ai, DF_DC], _rest(A, F, m, now, m_c0, m_cm, m_n, m_order,
-                                                                      m_glue, rest_tmp))
+                    dl = dq_f[ai, DF_DL] - max(dq_f[ai, DF_DC], _rest(A, F, m, 1, now, m_c0, m_cm, m_n,
+                                                                      m_order, m_glue, rest_tmp))
                 else:
                     dl = dq_f[ai, DF_DC]
                 st = K.submit(A, ai, m, now, dl, arr_p[ai])
