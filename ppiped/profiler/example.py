@@ -69,6 +69,21 @@ class _Builder:
         short = x if stride == 1 and cin == cout else self.bn(self.conv(x, cin, cout, 3, stride), cout)
         return self.op("Relu", [self.op("Add", [y, short])])
 
+    def stages_and_head(self, y: str, c: int, widths: Sequence[int], depths: Sequence[int],
+                        classes: int) -> str:
+        """Residual stages (the first block of each later stage strided), global pool and a
+        linear classifier writing ``logits``: the body of the example CNN and of the example
+        app's classifier."""
+        for s, (w, d) in enumerate(zip(widths, depths, strict=True)):
+            for i in range(d):
+                y = self.basic_block(y, c, w, 2 if s > 0 and i == 0 else 1)
+                c = w
+        y = self.op("Flatten", [self.op("GlobalAveragePool", [y])], axis=1)
+        fc_w = self._weight("fc.weight", self.rng.standard_normal((classes, c)) / np.sqrt(c))
+        fc_b = self._weight("fc.bias", 0.01 * self.rng.standard_normal(classes))
+        self.nodes.append(helper.make_node("Gemm", [y, fc_w, fc_b], ["logits"], name="fc", transB=1))
+        return "logits"
+
 
 def build_example_model(seed: int = 0, image: int = 128, widths: Sequence[int] = (32, 64, 128),
                         depths: Sequence[int] = (4, 3, 3), classes: int = 100) -> onnx.ModelProto:
@@ -78,15 +93,7 @@ def build_example_model(seed: int = 0, image: int = 128, widths: Sequence[int] =
     c = widths[0]
     # A 4x4 stride-4 stem keeps the full-resolution part cheap, as in ConvNeXt.
     y = b.op("Relu", [b.bn(b.conv(x, 3, c, 4, 4, pad=0), c)])
-    for s, (w, d) in enumerate(zip(widths, depths, strict=True)):
-        for i in range(d):
-            stride = 2 if s > 0 and i == 0 else 1
-            y = b.basic_block(y, c, w, stride)
-            c = w
-    y = b.op("Flatten", [b.op("GlobalAveragePool", [y])], axis=1)
-    fc_w = b._weight("fc.weight", b.rng.standard_normal((classes, c)) / np.sqrt(c))
-    fc_b = b._weight("fc.bias", 0.01 * b.rng.standard_normal(classes))
-    b.nodes.append(helper.make_node("Gemm", [y, fc_w, fc_b], ["logits"], name="fc", transB=1))
+    b.stages_and_head(y, c, widths, depths, classes)
     graph = helper.make_graph(
         b.nodes, EXAMPLE_NAME,
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, image, image])],

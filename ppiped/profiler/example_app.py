@@ -182,14 +182,7 @@ def build_classifier(seed: int = 0, image: int = CROP_SHAPE[1], widths: Sequence
     b = _AppBuilder(seed + 1)
     c = widths[0]
     y = b.op("Relu", [b.bn(b.conv("crop", 3, c, 3, 2), c)])
-    for s, (width, depth) in enumerate(zip(widths, depths, strict=True)):
-        for i in range(depth):
-            y = b.basic_block(y, c, width, 2 if s > 0 and i == 0 else 1)
-            c = width
-    y = b.op("Flatten", [b.op("GlobalAveragePool", [y])], axis=1)
-    fc_w = b._weight("fc.weight", b.rng.standard_normal((classes, c)) / np.sqrt(c))
-    fc_b = b._weight("fc.bias", 0.01 * b.rng.standard_normal(classes))
-    b.nodes.append(helper.make_node("Gemm", [y, fc_w, fc_b], ["logits"], name="fc", transB=1))
+    b.stages_and_head(y, c, widths, depths, classes)
     graph = helper.make_graph(
         b.nodes, CLASSIFIER,
         [helper.make_tensor_value_info("crop", TensorProto.FLOAT, ["batch", 3, image, image])],
