@@ -60,7 +60,7 @@ def _chain_model(skip_all: bool = False, custom_op: bool = False, dynamic_hw: bo
 # --- graph analysis -------------------------------------------------------------------------
 
 def test_cut_points_skip_residual_interiors(tiny):
-    g = analyze(onnx.load(str(tiny)))
+    g = analyze(onnx.load(str(tiny)), max_cut_tensors=1)  # PPipe's rule
     ops = [la.op for la in g.layers]
     after = [c.after for c in g.cuts]
     # Every valid cut follows a stem layer, a residual Add or its Relu, or the pooling head.
@@ -75,16 +75,27 @@ def test_cut_points_skip_residual_interiors(tiny):
     first_block = range(adds[0] - 5, adds[0])
     assert not set(first_block) & set(after)
     for c in g.cuts:
-        assert c.fp16_bytes == 2 * c.elems
-    assert g.cut_at(adds[0]).tensor == g.layers[adds[0]].outputs[0]
+        assert len(c.tensors) == 1 and c.fp16_bytes == 2 * c.elems[0]
+    assert g.cut_at(adds[0]).tensors == (g.layers[adds[0]].outputs[0],)
+    # With two tensors allowed, a residual block's interior is cuttable: branch and shortcut cross.
+    g2 = analyze(onnx.load(str(tiny)), max_cut_tensors=2)
+    assert set(after) < {c.after for c in g2.cuts}
+    inner = [c for c in g2.cuts if c.after in first_block]
+    assert inner and all(len(c.tensors) == 2 for c in inner)
+    assert all(c.fp16_bytes == 2 * sum(c.elems) for c in inner)
 
 
 def test_cut_points_ignore_weights_and_count_graph_inputs():
     g = analyze(_chain_model())
     assert [c.after for c in g.cuts] == [0, 1, 2]
-    assert [c.tensor for c in g.cuts] == ["a", "b", "c"]
-    assert all(c.elems == 4 * 8 * 8 for c in g.cuts)
-    assert analyze(_chain_model(skip_all=True)).cuts == []
+    assert [c.tensors for c in g.cuts] == [("a",), ("b",), ("c",)]
+    assert all(c.elems == (4 * 8 * 8,) for c in g.cuts)
+    assert analyze(_chain_model(skip_all=True), max_cut_tensors=1).cuts == []
+    # With two tensors per cut the skip no longer blocks: the graph input crosses beside the chain.
+    two = analyze(_chain_model(skip_all=True), max_cut_tensors=2)
+    assert [c.tensors for c in two.cuts] == [("x", "a"), ("x", "b"), ("x", "c")]
+    with pytest.raises(InputError, match="max-cut-tensors"):
+        analyze(_chain_model(), max_cut_tensors=0)
 
 
 def test_layer_costs(tiny):
@@ -108,7 +119,7 @@ def test_errors_for_bad_models(tmp_path):
     path = tmp_path / "skip.onnx"
     onnx.save(_chain_model(skip_all=True), str(path))
     req = ProfileRequest(model_path=path, out_dir=tmp_path, backend="estimate", gpu="V100", blocks=2,
-                         max_batch=1, progress=False)
+                         max_batch=1, progress=False, max_cut_tensors=1)
     with pytest.raises(InputError, match="no valid cut point"):
         profile_model(req)
     with pytest.raises(InputError, match="not a readable ONNX"):
@@ -174,12 +185,12 @@ def test_export_blocks_and_ranges(tiny, tmp_path):
         m = ex.partition(b.index, b.index + 1)
         onnx.checker.check_model(m)
         ins = [i for i in m.graph.input]
-        assert len(ins) == 1 and len(m.graph.output) == 1
+        assert [i.name for i in ins] == list(b.inputs)
+        assert [o.name for o in m.graph.output] == list(b.outputs)
         want_in = TensorProto.FLOAT if b.index == 0 else TensorProto.FLOAT16
         want_out = TensorProto.FLOAT if b.index == len(blocks) - 1 else TensorProto.FLOAT16
-        assert ins[0].type.tensor_type.elem_type == want_in
-        assert m.graph.output[0].type.tensor_type.elem_type == want_out
-        assert ins[0].name == b.inputs[0] and m.graph.output[0].name == b.outputs[0]
+        assert {i.type.tensor_type.elem_type for i in ins} == {want_in}
+        assert {o.type.tensor_type.elem_type for o in m.graph.output} == {want_out}
         p = tmp_path / f"b{b.index}.onnx"
         onnx.save(m, str(p))
         paths.append(str(p))
@@ -340,7 +351,7 @@ def test_constant_node_weights_are_not_layers(tiny, tmp_path):
     const = _weights_as_constant_nodes(onnx.load(str(tiny)))
     assert sum(n.op_type == "Constant" for n in const.graph.node) > 10
     g = analyze(const)
-    assert [c.tensor for c in g.cuts] == [c.tensor for c in plain.cuts]
+    assert [c.tensors for c in g.cuts] == [c.tensors for c in plain.cuts]
     assert [la.op for la in g.layers] == [la.op for la in plain.layers]
     units = units_of(g)
     costs = [sum(la.flops for la in g.layers[s:e]) for s, e in units]

@@ -302,3 +302,64 @@ def test_ort_control_stays_responsive_during_a_long_inference(sched, tmp_path):
     assert any(q == 2 for _, q in during), "the DISPATCH sent mid-run was not taken in"
     assert preloaded is not None and preloaded[1].prep == 3 and preloaded[1].error == ""
     assert preloaded[0] < stop  # answered while the batch ran, not after it
+
+
+def _skip_model():
+    """x -> Relu -> Relu -> Relu, + x at the end: every cut carries x beside the chain."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="r0"),
+             helper.make_node("Mul", ["a", "a"], ["b"], name="m1"),
+             helper.make_node("Relu", ["b"], ["c"], name="r2"),
+             helper.make_node("Add", ["c", "x"], ["y"], name="add")]
+    dims = ["N", 4, 8, 8]
+    g = helper.make_graph(nodes, "skip", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_ort_backends_carry_every_tensor_of_a_cut():
+    """A cut of two tensors (one passed through untouched) crosses a hop as two fp16 frames, in
+    order, and the chain equals the whole model; a forward with the wrong tensors is an error
+    for each request, not an exception."""
+    ort = pytest.importorskip("onnxruntime")
+    import onnx
+
+    from ppiped.executor.backends import make_backend
+    from ppiped.profiler.export import Exporter
+    from ppiped.profiler.graph import analyze
+    from ppiped.profiler.profile import make_blocks
+
+    g = analyze(_skip_model(), max_cut_tensors=2)
+    assert [c.tensors for c in g.cuts] == [("x", "a"), ("x", "b"), ("x", "c")]
+    blocks = make_blocks(g, [(0, 1), (1, 3), (3, 4)])
+    ex = Exporter(g.model, blocks)
+    fp16 = onnx.TensorProto.FLOAT16
+    assert [o.type.tensor_type.elem_type for o in ex.partition(0, 1).graph.output] == [fp16, fp16]
+    backends = []
+    for k in range(3):
+        a = wire.Assignment(k, "skip", 0, k, k, k + 1, "CPU", 1, 0, k == 2, LAT, [0.0] * len(LAT))
+        part = ex.partition(k, k + 1)
+        b = make_backend("ort", a, (lambda p=part: p, f"skip block {k}"))
+        b.load()
+        backends.append(b)
+    assert [len(b.part.inputs) for b in backends] == [1, 2, 2]
+    x = np.random.default_rng(3).normal(0, 1, (3, 4, 8, 8)).astype(np.float32)
+    frames, meta, failed = backends[0].run([r.tobytes() for r in x], None, 3)
+    assert not failed and len(frames) == 2
+    assert [m[0] for m in meta] == ["<f2", "<f2"] and all(m[1] == [3, 4, 8, 8] for m in meta)
+    frames, meta, failed = backends[1].run(frames, meta, 3)
+    assert not failed and len(frames) == 2
+    out, out_meta, failed = backends[2].run(frames, meta, 3)
+    assert not failed and out_meta == [["<f4", [4, 8, 8], "y"]]
+    want = ort.InferenceSession(_skip_model().SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    for i, f in enumerate(out):
+        np.testing.assert_allclose(np.frombuffer(f, dtype=np.float32).reshape(4, 8, 8), want[i],
+                                   rtol=1e-2, atol=1e-2)
+    # One tensor of the two, or a wrong shape: every request fails with a reason.
+    _, _, failed = backends[1].run(frames[:1], meta[:1], 3)
+    assert [i for i, _ in failed] == [0, 1, 2] and "takes 2 tensor(s)" in failed[0][1]
+    bad = [list(meta[0]), [meta[1][0], [3, 4, 8, 9], meta[1][2]]]
+    _, _, failed = backends[2].run(frames, bad, 3)
+    assert len(failed) == 3 and "takes float16 [3, 4, 8, 8]" in failed[0][1]

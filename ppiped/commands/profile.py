@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..profiler.backends import BACKENDS, Timing
-from ..profiler.graph import parse_shape
+from ..profiler.graph import DEFAULT_MAX_CUT_TENSORS, parse_shape
 from ..profiler.partition import max_deviation
 from ..profiler.profile import (
     ProfileRequest,
@@ -48,6 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="time a split with one copy instead of all v together")
     p.add_argument("--method", choices=("balanced", "greedy"), default="balanced",
                    help="pre-partitioning rule (greedy is the paper's)")
+    p.add_argument("--max-cut-tensors", type=int, default=DEFAULT_MAX_CUT_TENSORS, metavar="K",
+                   help="tensors a cut between blocks may carry, each sent fp16 (default "
+                        f"{DEFAULT_MAX_CUT_TENSORS}; 1 is PPipe's rule, which leaves models with skip "
+                        "connections such as FPN necks mostly uncuttable)")
     p.add_argument("--partition-cost", choices=("backend", "flops"), default="backend",
                    help="what blocks balance: this backend's latencies (default) or FLOPs")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per figure (median taken)")
@@ -66,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
         blocks=args.blocks, max_batch=parse_batch_sizes(args.batch_sizes), splits=parse_splits(args.splits),
         name=args.name, input_shape=parse_shape(args.input_shape) if args.input_shape else None,
         timing=Timing(rounds=args.rounds), threads=args.threads, clock=args.clock, mps=args.mps,
-        concurrent=not args.no_concurrent, method=args.method, partition_cost=args.partition_cost, replace=args.replace,
+        concurrent=not args.no_concurrent, method=args.method,
+        max_cut_tensors=args.max_cut_tensors, partition_cost=args.partition_cost, replace=args.replace,
         slo_reference=args.slo_reference,
         partitions=parse_ranges(args.partitions) if args.partitions else (),
         progress=not args.quiet and sys.stderr.isatty(), verify=not args.no_verify,

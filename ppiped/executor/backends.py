@@ -47,7 +47,8 @@ class Backend:
         return lat[-1] + step * (bs - len(lat))
 
     def run(self, frames: list, meta: Any, n: int) -> Outputs:
-        """Run a batch of ``n`` requests: per-request frames on the first hop, else one feature map."""
+        """Run a batch of ``n`` requests: per-request frames on the first hop, else the feature
+        maps of the cut before this partition, one frame each."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -103,11 +104,11 @@ class _TensorBackend(Backend):
         self.part = prepare_partition(load(), name, self.first, self.last)
         return self.part
 
-    def infer(self, batch):  # -> list[np.ndarray]
+    def infer(self, feeds):  # dict[str, np.ndarray] -> list[np.ndarray], one per output
         raise NotImplementedError
 
     def run(self, frames: list, meta: Any, n: int) -> Outputs:
-        from .onnxio import batch_from_frame, frames_to_batch, split_results
+        from .onnxio import feeds_from_frames, frames_to_batch, split_results
 
         part = self.part
         assert part is not None
@@ -119,21 +120,18 @@ class _TensorBackend(Backend):
                        f"{part.input.sample_bytes}") for i in bad]
             if batch is None:
                 return [], None, failed
+            feeds = {part.input.name: batch}
+            n = batch.shape[0]
         else:
-            if len(frames) != 1 or not isinstance(meta, list) or len(meta) != 1:
-                return [], None, [(i, "executor-error: malformed feature map from the previous hop")
-                                  for i in range(n)]
-            batch = batch_from_frame(frames[0], meta[0])
-            if batch.shape[0] != n:
-                return [], None, [(i, f"executor-error: feature map holds {batch.shape[0]} requests, "
-                                   f"the batch {n}") for i in range(n)]
-        outs = self.infer(batch)
-        n = batch.shape[0]
+            feeds = feeds_from_frames(frames, meta, part.inputs, n)
+            if isinstance(feeds, str):
+                return [], None, [(i, f"executor-error: {feeds}") for i in range(n)]
+        outs = self.infer(feeds)
         if self.last:
             return split_results(outs, n), [o.meta() for o in part.outputs], failed
-        o = outs[0]
-        spec = part.outputs[0]
-        return [memoryview(o.reshape(-1).view("u1"))], [spec.meta(n)], failed
+        # one frame per tensor of the cut, each the whole batch's
+        return ([memoryview(o.reshape(-1).view("u1")) for o in outs],
+                [spec.meta(n) for spec in part.outputs], failed)
 
 
 class OrtBackend(_TensorBackend):
@@ -157,14 +155,12 @@ class OrtBackend(_TensorBackend):
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         so.add_session_config_entry("session.inter_op.allow_spinning", "0")
         self.sess = ort.InferenceSession(part.onnx_bytes, so, providers=["CPUExecutionProvider"])
-        self._in = part.input.name
         self._outs = [o.name for o in part.outputs]
 
-    def infer(self, batch):
+    def infer(self, feeds):
         import numpy as np
 
-        outs = self.sess.run(self._outs, {self._in: batch})
-        return [np.ascontiguousarray(o) for o in outs]
+        return [np.ascontiguousarray(o) for o in self.sess.run(self._outs, feeds)]
 
 
 def make_backend(kind: str, a: Assignment, source: ModelSource | None = None, **opts: Any) -> Backend:

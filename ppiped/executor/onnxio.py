@@ -87,9 +87,14 @@ class PartitionModel:
     """A partition ready to load: serialized ONNX with fp16 boundaries and its tensor specs."""
 
     onnx_bytes: bytes
-    input: TensorSpec
+    inputs: list[TensorSpec]  # the first partition: the model's image input; later ones: a cut's tensors
     outputs: list[TensorSpec]
     source: str
+
+    @property
+    def input(self) -> TensorSpec:
+        """The first input (the only one of a first partition)."""
+        return self.inputs[0]
 
 
 def load_model_file(path: Path) -> onnx.ModelProto:
@@ -104,24 +109,26 @@ def load_model_file(path: Path) -> onnx.ModelProto:
 def prepare_partition(model: onnx.ModelProto, source: str, first: bool, last: bool) -> PartitionModel:
     """Check a partition's graph; non-first partitions take fp16, non-last ones emit fp16.
 
-    Sub-models exported by ``ppiped profile`` already have fp16 boundaries; then nothing changes.
+    A first partition takes the model's one input; a later one takes every tensor of the cut
+    before it, and a non-last one emits every tensor of the cut after it (``ppiped profile
+    --max-cut-tensors``). Sub-models exported by ``ppiped profile`` already have fp16 boundaries;
+    then nothing changes.
     """
     init_names = {t.name for t in model.graph.initializer}
     inputs = [vi for vi in model.graph.input if vi.name not in init_names]
-    if len(inputs) != 1:
-        raise InputError(f"{source}: a partition takes exactly one input tensor, this one takes "
-                         f"{[vi.name for vi in inputs]}")
-    if not last and len(model.graph.output) != 1:
-        raise InputError(f"{source}: a non-final partition emits exactly one boundary tensor, this one "
-                         f"emits {[vo.name for vo in model.graph.output]}")
+    if not inputs or (first and len(inputs) != 1):
+        raise InputError(f"{source}: a {'first ' if first else ''}partition takes "
+                         f"{'exactly one input tensor' if first else 'at least one input tensor'}, "
+                         f"this one takes {[vi.name for vi in inputs]}")
+    if not model.graph.output:
+        raise InputError(f"{source}: the partition has no output")
     model = fp16_boundaries(model, cast_input=not first, cast_outputs=not last)
     g = model.graph
-    inp = next(vi for vi in g.input if vi.name not in init_names)
-    in_spec = TensorSpec(inp.name, np.dtype(helper.tensor_dtype_to_np_dtype(_elem_type(inp))),
-                         _sample_shape(inp, source))
+    ins = [TensorSpec(vi.name, np.dtype(helper.tensor_dtype_to_np_dtype(_elem_type(vi))),
+                      _sample_shape(vi, source)) for vi in g.input if vi.name not in init_names]
     outs = [TensorSpec(vo.name, np.dtype(helper.tensor_dtype_to_np_dtype(_elem_type(vo))),
                        _sample_shape(vo, source)) for vo in g.output]
-    return PartitionModel(model.SerializeToString(), in_spec, outs, source)
+    return PartitionModel(model.SerializeToString(), ins, outs, source)
 
 
 def frames_to_batch(frames: list, spec: TensorSpec) -> tuple[np.ndarray | None, list[int], list[int]]:
@@ -141,10 +148,29 @@ def frames_to_batch(frames: list, spec: TensorSpec) -> tuple[np.ndarray | None, 
     return arr, kept, bad
 
 
-def batch_from_frame(frame, meta: list) -> np.ndarray:
-    """The batch tensor a previous hop forwarded: one frame and its ``[dtype, shape, name]``."""
-    dtype, shape, _ = meta
-    return np.frombuffer(getattr(frame, "buffer", frame), dtype=np.dtype(dtype)).reshape(shape)
+def feeds_from_frames(frames: list, meta, specs: list[TensorSpec], n: int) -> dict[str, np.ndarray] | str:
+    """A later hop's inputs, one per tensor of the cut, from the previous hop's frames and their
+    ``[dtype, shape, name]`` metas, in order (a cut's tensors leave one partition and enter the
+    next in the same order; names may differ, e.g. for a tensor passed through); checked against
+    this partition's specs, so a malformed forward becomes an error text, never an exception."""
+    if not isinstance(meta, list) or len(meta) != len(frames) or len(meta) != len(specs):
+        got = len(meta) if isinstance(meta, list) else "no"
+        return (f"the previous hop sent {len(frames)} frame(s) with {got} tensor spec(s), this "
+                f"partition takes {len(specs)} tensor(s)")
+    feeds: dict[str, np.ndarray] = {}
+    for k, spec in enumerate(specs):
+        try:
+            dtype, shape = np.dtype(meta[k][0]), tuple(int(d) for d in meta[k][1])
+        except (TypeError, ValueError, IndexError):
+            return f"malformed tensor spec for {spec.name} from the previous hop"
+        if dtype != spec.dtype or shape != (n, *spec.shape):
+            return (f"tensor {spec.name}: the previous hop sent {dtype} {list(shape)}, this partition "
+                    f"takes {spec.dtype} {[n, *spec.shape]}")
+        buf = getattr(frames[k], "buffer", frames[k])
+        if len(buf) != n * spec.sample_bytes:
+            return f"tensor {spec.name}: {len(buf)} bytes, {list(shape)} {dtype} needs {n * spec.sample_bytes}"
+        feeds[spec.name] = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    return feeds
 
 
 def split_results(outputs: list[np.ndarray], n: int) -> list[bytes]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InputError
 from ..wire import Assignment
 from .backends import ModelSource, _TensorBackend
 
@@ -37,6 +38,10 @@ class TorchBackend(_TensorBackend):
         if self.split > 1:  # MPS reads it when this process creates its first CUDA context
             os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(100 // self.split))
         part = self.prepare()
+        if len(part.inputs) != 1:
+            raise InputError(f"{part.source}: the torch backend runs partitions with one input tensor, this "
+                             f"one takes {len(part.inputs)} (a cut of several tensors); serve it with ort "
+                             "or trt, or profile with --max-cut-tensors 1")
         torch, F = import_torch()  # noqa: N806
         self.torch = torch
         torch.cuda.set_device(self.device)
@@ -75,10 +80,11 @@ class TorchBackend(_TensorBackend):
         self.graphs[bs] = g = (graph, x, outs)
         return g
 
-    def infer(self, batch: np.ndarray) -> list[np.ndarray]:
+    def infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        (batch,) = feeds.values()
         n = batch.shape[0]
         if n > self.max_bs:
-            out = [self.infer(batch[i:i + self.max_bs]) for i in range(0, n, self.max_bs)]
+            out = [self.infer({k: batch[i:i + self.max_bs] for k in feeds}) for i in range(0, n, self.max_bs)]
             return [np.concatenate([o[k] for o in out]) for k in range(len(self.wide))]
         graph, x, outs = self._graph(n)
         torch = self.torch

@@ -61,7 +61,7 @@ class TrtBackend(_TensorBackend):
         self.context = self.engine.create_execution_context()
         self.stream = cuda.Stream()
         self.tensors = {}
-        for spec in [part.input, *part.outputs]:
+        for spec in [*part.inputs, *part.outputs]:
             want = np.dtype(trt.nptype(self.engine.get_tensor_dtype(spec.name)))
             if want != spec.dtype:
                 raise InputError(f"{self.engine_path}: tensor {spec.name} is {want} in the engine, "
@@ -97,8 +97,9 @@ class TrtBackend(_TensorBackend):
         if self.fp16 and getattr(builder, "platform_has_fast_fp16", True):  # gone in TensorRT 10
             config.set_flag(trt.BuilderFlag.FP16)
         profile = builder.create_optimization_profile()
-        shape = part.input.shape
-        profile.set_shape(part.input.name, (1, *shape), (self.max_bs, *shape), (self.max_bs, *shape))
+        for spec in part.inputs:
+            shape = spec.shape
+            profile.set_shape(spec.name, (1, *shape), (self.max_bs, *shape), (self.max_bs, *shape))
         config.add_optimization_profile(profile)
         blob = builder.build_serialized_network(network, config)
         if blob is None:
@@ -112,16 +113,18 @@ class TrtBackend(_TensorBackend):
 
     # --- inference (worker thread) ------------------------------------------------------------
 
-    def infer(self, batch: np.ndarray) -> list[np.ndarray]:
+    def infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         part = self.part
-        n = batch.shape[0]
+        n = next(iter(feeds.values())).shape[0]
         if n > self.max_bs:
-            out = [self.infer(batch[i:i + self.max_bs]) for i in range(0, n, self.max_bs)]
+            out = [self.infer({k: v[i:i + self.max_bs] for k, v in feeds.items()})
+                   for i in range(0, n, self.max_bs)]
             return [np.concatenate([o[k] for o in out]) for k in range(len(part.outputs))]
-        host, dev = self.tensors[part.input.name]
-        host[:n] = batch
-        cuda.memcpy_htod_async(dev, host[:n], self.stream)
-        self.context.set_input_shape(part.input.name, (n, *part.input.shape))
+        for spec in part.inputs:
+            host, dev = self.tensors[spec.name]
+            host[:n] = feeds[spec.name]
+            cuda.memcpy_htod_async(dev, host[:n], self.stream)
+            self.context.set_input_shape(spec.name, (n, *spec.shape))
         if not self.context.execute_async_v3(self.stream.handle):
             raise RuntimeError(f"{part.source}: TensorRT execution failed")
         for spec in part.outputs:

@@ -18,6 +18,8 @@ from ..errors import InputError
 from .partition import Block
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
+# Name under which a partition outputs a tensor it takes as an input and leaves untouched.
+PASS_SUFFIX = "/pass"
 
 
 class Exporter:
@@ -37,15 +39,37 @@ class Exporter:
             raise InputError(f"block range [{start}, {end}) is outside 0..{n}")
         inputs = list(self.blocks[start].inputs)
         outputs = list(self.blocks[end - 1].outputs)
-        sub = self._extractor.extract_model(inputs, outputs)
+        passing = [t for t in outputs if t in inputs]
+        computed = [t for t in outputs if t not in passing]
+        if not computed:
+            raise InputError(f"blocks [{start}, {end}) compute nothing that leaves them")
+        sub = self._extractor.extract_model(inputs, computed)
         sub.graph.name = f"{self.model.graph.name or 'model'}_blocks_{start}_{end}"
         if fp16_boundaries:
             if start > 0:
                 for t in inputs:
                     self._cast_input(sub, t)
             if end < n:
-                for t in outputs:
+                for t in computed:
                     self._cast_output(sub, t)
+        # A tensor that crosses both cuts passes through under a name of its own (a graph may
+        # not output its input); consumers match a partition's tensors by position.
+        vis = {vi.name: vi for vi in [*sub.graph.input, *sub.graph.output]}
+        for t in passing:
+            out = onnx.ValueInfoProto()
+            out.CopyFrom(vis[t])
+            out.name = t + PASS_SUFFIX
+            vis[out.name] = out
+            tt = out.type.tensor_type
+            if fp16_boundaries and end < n and tt.elem_type in FLOAT_TYPES:  # the model's own input
+                tt.elem_type = TensorProto.FLOAT16
+                sub.graph.node.append(helper.make_node("Cast", [t], [out.name], to=TensorProto.FLOAT16,
+                                                       name=f"{t}/pass"))
+            else:
+                sub.graph.node.append(helper.make_node("Identity", [t], [out.name], name=f"{t}/pass"))
+        order = [vis[t + PASS_SUFFIX if t in passing else t] for t in outputs]
+        del sub.graph.output[:]
+        sub.graph.output.extend(order)
         del sub.graph.value_info[:]
         return sub
 
@@ -112,13 +136,10 @@ def chain_error(whole_path: str, block_paths: Sequence[str], batch: int = 2, see
     shape = [batch, *[d if isinstance(d, int) else 1 for d in inp.shape[1:]]]
     x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
     ref = whole.run(None, {inp.name: x})
-    feed = {inp.name: x}
-    outs: list = []
-    for p in block_paths:
+    outs: list = [x]
+    for p in block_paths:  # a block's inputs are the previous block's outputs, in order
         s = session(p)
-        names = [o.name for o in s.get_outputs()]
-        outs = s.run(None, {i.name: feed[i.name] for i in s.get_inputs()})
-        feed = dict(zip(names, outs, strict=True))
+        outs = s.run(None, {i.name: o for i, o in zip(s.get_inputs(), outs, strict=True)})
     err = 0.0
     for r, o in zip(ref, outs, strict=True):
         scale = float(np.max(np.abs(r))) or 1.0

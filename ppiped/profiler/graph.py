@@ -1,8 +1,12 @@
 """Graph analysis of an ONNX CNN: topological order, valid cut points, per-layer cost.
 
-A cut between two layers is *valid* when exactly one activation tensor crosses it: only then can
-the two sides run on different GPUs with a single feature map sent between them (PPipe §5.1).
-Weights and tensors computed from weights alone never cross; each side keeps its own copy.
+A cut between two layers is *valid* when at most K activation tensors cross it (K = 1 is PPipe's
+rule, §5.1: one feature map sent between GPUs). Skip connections (FPN necks, YOLO heads, residual
+stages) keep two to four tensors live over long spans, which with K = 1 leaves one uncuttable span
+holding most of the model; the default K = 4 lets such models split, each crossing tensor sent as
+fp16 and the boundary's bytes their sum. Weights and tensors computed from weights alone never
+cross; each side keeps its own copy. A graph output must come out of the last block, so no cut
+lies where one is already computed.
 """
 
 from __future__ import annotations
@@ -48,21 +52,31 @@ class Layer:
     fusable: bool = False
 
 
+# Above this, a "cut" is no longer a narrow boundary worth a network hop.
+MAX_CUT_TENSORS_LIMIT = 16
+# Tensors a cut may carry by default (``ppiped profile --max-cut-tensors``; 1 is PPipe's rule).
+DEFAULT_MAX_CUT_TENSORS = 4
+
+
 @dataclass
 class Cut:
-    """A valid cut after layer ``after``: ``tensor`` is the one activation that crosses it."""
+    """A valid cut after layer ``after``: ``tensors`` cross it, in the order they were produced."""
 
     after: int
-    tensor: str
-    elems: int  # elements at batch size 1
-    dtype: int  # onnx TensorProto elem type
+    tensors: tuple[str, ...]
+    elems: tuple[int, ...]  # per tensor, elements at batch size 1
+    dtypes: tuple[int, ...]  # per tensor, onnx TensorProto elem type
 
     @property
     def fp16_bytes(self) -> int:
         """Bytes on the wire at batch size 1: float feature maps travel as fp16."""
-        if self.dtype in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE):
-            return 2 * self.elems
-        return self.elems * helper.tensor_dtype_to_np_dtype(self.dtype).itemsize
+        total = 0
+        for n, dt in zip(self.elems, self.dtypes, strict=True):
+            if dt in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE):
+                total += 2 * n
+            else:
+                total += n * helper.tensor_dtype_to_np_dtype(dt).itemsize
+        return total
 
 
 @dataclass
@@ -252,8 +266,12 @@ def _layer_cost(layer: Layer, shapes: dict[str, tuple[int, ...]], consts: set[st
     layer.fusable = op in ELEMENTWISE
 
 
-def analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None) -> ModelGraph:
-    """Fix the batch axis, infer shapes, list layers and the valid cuts between them."""
+def analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None,
+            max_cut_tensors: int = DEFAULT_MAX_CUT_TENSORS) -> ModelGraph:
+    """Fix the batch axis, infer shapes, list layers and the valid cuts (at most
+    ``max_cut_tensors`` tensors crossing) between them."""
+    if not 1 <= max_cut_tensors <= MAX_CUT_TENSORS_LIMIT:
+        raise InputError(f"--max-cut-tensors must be 1..{MAX_CUT_TENSORS_LIMIT}, got {max_cut_tensors}")
     _check_ops(model.graph)
     m = _infer(fold_constant_nodes(fix_batch_axis(model, input_shape)))
     g = m.graph
@@ -299,7 +317,7 @@ def analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None) 
     for layer, n in zip(layers, g.node, strict=True):
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         _layer_cost(layer, shapes, consts, inits, attrs)
-    cuts = _valid_cuts(g, consts, shapes, dtypes)
+    cuts = _valid_cuts(g, consts, shapes, dtypes, max_cut_tensors)
     return ModelGraph(m, layers, cuts, inp.name, tuple(shapes[inp.name][1:]),
                       [o.name for o in g.output], shapes, dtypes)
 
@@ -315,8 +333,9 @@ def _check_topological(g: onnx.GraphProto, inits: dict) -> None:
 
 
 def _valid_cuts(g: onnx.GraphProto, consts: set[str], shapes: dict[str, tuple[int, ...]],
-                dtypes: dict[str, int]) -> list[Cut]:
-    """Cuts with exactly one activation crossing, by a sweep over live ranges [producer, last use)."""
+                dtypes: dict[str, int], max_tensors: int = 1) -> list[Cut]:
+    """Cuts with 1..``max_tensors`` activations crossing and no graph output among them, by a
+    sweep over live ranges [producer, last use)."""
     n = len(g.node)
     produced: dict[str, int] = {i.name: -1 for i in g.input if i.name not in consts}
     last_use: dict[str, int] = {}
@@ -337,6 +356,7 @@ def _valid_cuts(g: onnx.GraphProto, consts: set[str], shapes: dict[str, tuple[in
             continue
         starts.setdefault(p, []).append(t)
         ends.setdefault(e, []).append(t)
+    outputs = {o.name for o in g.output}
     live: set[str] = set(starts.get(-1, []))
     cuts: list[Cut] = []
     for k in range(n - 1):  # cut between node k and node k + 1
@@ -344,9 +364,10 @@ def _valid_cuts(g: onnx.GraphProto, consts: set[str], shapes: dict[str, tuple[in
         live.difference_update(ends.get(k, []))
         if all(t in consts for t in g.node[k].output if t):
             continue  # after a node computing constants only: the same cut as before it
-        if len(live) == 1:
-            t = next(iter(live))
-            cuts.append(Cut(k, t, _numel(shapes.get(t, (1,))), dtypes.get(t, TensorProto.FLOAT)))
+        if 1 <= len(live) <= max_tensors and not (live & outputs):
+            ts = tuple(sorted(live, key=lambda t: (produced[t], t)))
+            cuts.append(Cut(k, ts, tuple(_numel(shapes.get(t, (1,))) for t in ts),
+                            tuple(dtypes.get(t, TensorProto.FLOAT) for t in ts)))
     return cuts
 
 

@@ -26,13 +26,21 @@ class Block:
     out_bytes: int  # fp16 bytes of the boundary leaving the block, batch size 1 (0 for the last)
 
 
-def choose_cuts(unit_cost: Sequence[float], n_blocks: int, method: str = "balanced") -> list[int]:
+# A cut that carries t tensors costs (t - 1) x (this share of the mean block)^2 in the balanced
+# rule: a cut of several tensors (more bytes, more frames per hop) is taken only where it
+# balances the blocks clearly better than a one-tensor cut would.
+EXTRA_TENSOR_SHARE = 0.25
+
+
+def choose_cuts(unit_cost: Sequence[float], n_blocks: int, method: str = "balanced",
+                extra_tensors: Sequence[int] | None = None) -> list[int]:
     """Split units (indivisible runs of layers) into ``n_blocks`` groups of about equal cost.
 
     Returns the ``n_blocks - 1`` unit indices after which a new block starts. ``greedy`` is the
     paper's rule: fill a block until it is closest to an equal share of what is left. ``balanced``
-    minimises the sum of squared deviations from the mean block exactly (dynamic programming);
-    both see the same valid cut points.
+    minimises the sum of squared deviations from the mean block exactly (dynamic programming),
+    plus :data:`EXTRA_TENSOR_SHARE`'s charge for each tensor a cut carries beyond one
+    (``extra_tensors[i]`` for the cut after unit ``i``); both see the same valid cut points.
     """
     costs = np.asarray(unit_cost, dtype=np.float64)
     m = len(costs)
@@ -46,7 +54,10 @@ def choose_cuts(unit_cost: Sequence[float], n_blocks: int, method: str = "balanc
     if method == "greedy":
         return _greedy(costs, n_blocks)
     if method == "balanced":
-        return _balanced(costs, n_blocks)
+        extra = np.zeros(max(0, m - 1)) if extra_tensors is None else np.asarray(extra_tensors, dtype=np.float64)
+        if len(extra) != max(0, m - 1):
+            raise ValueError(f"extra_tensors has {len(extra)} entries for {m - 1} cuts")
+        return _balanced(costs, n_blocks, extra)
     raise InputError(f"unknown partition method {method!r} (greedy, balanced)")
 
 
@@ -66,10 +77,12 @@ def _greedy(costs: np.ndarray, n: int) -> list[int]:
     return cuts
 
 
-def _balanced(costs: np.ndarray, n: int) -> list[int]:
+def _balanced(costs: np.ndarray, n: int, extra: np.ndarray) -> list[int]:
     cum = np.concatenate([[0.0], np.cumsum(costs)])
     m = len(costs)
     mean = cum[m] / n
+    # charge[i]: what starting a block at unit i costs (the cut after unit i - 1); none at 0
+    charge = np.concatenate([[0.0], extra * (EXTRA_TENSOR_SHARE * mean) ** 2])
     # best[b][j]: least sum of squared deviations from the mean covering units [0, j) with b
     # blocks. Squares punish the worst block hardest yet still balance all the others (a pure
     # min-max leaves every block but the worst arbitrary).
@@ -79,7 +92,7 @@ def _balanced(costs: np.ndarray, n: int) -> list[int]:
     for b in range(1, n + 1):
         for j in range(b, m - (n - b) + 1):
             i = np.arange(b - 1, j)
-            total = best[b - 1][i] + (cum[j] - cum[i] - mean) ** 2
+            total = best[b - 1][i] + (cum[j] - cum[i] - mean) ** 2 + charge[i]
             k = int(np.argmin(total))
             best[b][j] = total[k]
             arg[b][j] = i[k]

@@ -33,7 +33,7 @@ from .backends import BACKENDS, GPU_BACKENDS, Timing
 from .backends import estimate as est
 from .export import Exporter, blocks_from_extra, chain_error
 from .gpus import GPUS, gpu_spec
-from .graph import ModelGraph, analyze, load_onnx
+from .graph import DEFAULT_MAX_CUT_TENSORS, ModelGraph, analyze, load_onnx
 from .harness import Job, Mps, run_split
 from .partition import Block, block_costs, choose_cuts, max_deviation
 
@@ -68,6 +68,7 @@ class ProfileRequest:
     mps: str = "auto"  # auto | on | off (GPU backends, splits > 1)
     concurrent: bool = True
     method: str = "balanced"
+    max_cut_tensors: int = DEFAULT_MAX_CUT_TENSORS  # tensors one cut may carry (1: PPipe's rule)
     partition_cost: str = "backend"  # backend: this run's own latencies; flops: device-neutral
     replace: bool = False
     slo_reference: str | None = None
@@ -131,9 +132,9 @@ def make_blocks(graph: ModelGraph, ranges: Sequence[tuple[int, int]]) -> list[Bl
     cuts = {c.after: c for c in graph.cuts}
     out: list[Block] = []
     for k, (s, e) in enumerate(ranges):
-        ins = (graph.input_name,) if s == 0 else (cuts[s - 1].tensor,)
+        ins = (graph.input_name,) if s == 0 else cuts[s - 1].tensors
         last = e == len(graph.layers)
-        outs = tuple(graph.output_names) if last else (cuts[e - 1].tensor,)
+        outs = tuple(graph.output_names) if last else cuts[e - 1].tensors
         out.append(Block(k, s, e, ins, outs, 0 if last else cuts[e - 1].fp16_bytes))
     return out
 
@@ -232,6 +233,11 @@ def _check_block_count(req: ProfileRequest, graph: ModelGraph) -> None:
 
 def _partition(req: ProfileRequest, graph: ModelGraph, work_dir: Path) -> tuple[list[Block], dict]:
     units = units_of(graph)
+    by_end = {c.after + 1: len(c.tensors) - 1 for c in graph.cuts}  # extra tensors of the cut at a layer
+
+    def extra(ranges: Sequence[tuple[int, int]]) -> list[int]:
+        return [by_end[e] for _, e in ranges[:-1]]
+
     spec = gpu_spec(req.gpu) if req.backend == "estimate" else GPUS.get(req.gpu or "", GPUS["V100"])
     est_cost = [est.range_us(graph.layers[s:e], spec, 1, 1) - est.ENGINE_OVERHEAD_LAUNCHES * spec.launch_us
                 for s, e in units]
@@ -245,13 +251,16 @@ def _partition(req: ProfileRequest, graph: ModelGraph, work_dir: Path) -> tuple[
         pieces, costs, source = units, est_cost, f"estimate for {spec.name}, batch 1"
     else:
         n_pieces = min(len(units), SEGMENTS_PER_BLOCK * req.blocks)
-        pieces = units if n_pieces == len(units) else _group(units, choose_cuts(est_cost, n_pieces))
+        pieces = units if n_pieces == len(units) else _group(units, choose_cuts(est_cost, n_pieces,
+                                                                             extra_tensors=extra(units)))
         costs = _measured_unit_costs(req, graph, work_dir, pieces)
         source = f"{req.backend} on {req.gpu}, batch 1, split 1, each piece alone"
-    cuts = choose_cuts(costs, req.blocks, req.method)
+    cuts = choose_cuts(costs, req.blocks, req.method, extra(pieces))
     blocks = make_blocks(graph, _group(pieces, cuts))
     bc = block_costs(costs, cuts)
+    tensors = [len(b.outputs) for b in blocks[:-1]]
     info = {"method": req.method, "cost_source": source, "pieces": len(pieces),
+            "max_cut_tensors": req.max_cut_tensors, "cut_tensors": tensors,
             "block_cost": [round(c, 3) for c in bc], "max_deviation_from_mean": round(max_deviation(bc), 4)}
     return blocks, info
 
@@ -350,7 +359,7 @@ def profile_model(req: ProfileRequest) -> tuple[Profile, Path]:
                          "H100; it keys the profile's latencies)")
     original = load_onnx(req.model_path)
     name = req.name or req.model_path.stem
-    graph = analyze(original, req.input_shape)
+    graph = analyze(original, req.input_shape, req.max_cut_tensors)
     _check_batch_axis(graph, original, req.max_batch)
     _check_block_count(req, graph)
     sha = hashlib.sha256(graph.model.SerializeToString()).hexdigest()
