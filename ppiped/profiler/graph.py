@@ -32,6 +32,8 @@ ELEMENTWISE = {
     "Mul", "Add", "Sub", "Div", "BatchNormalization", "Identity", "Cast", "Erf", "Gelu",
     "PRelu", "Softplus", "Mish", "Neg", "Sqrt", "Pow", "Exp", "Log", "Abs", "Dropout",
 }
+# Tensors a cut may carry: feature maps (sent as fp16). Masks and indices stay inside a block.
+FEATURE_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}
 RESHAPES = {"Flatten", "Reshape", "Squeeze", "Unsqueeze", "Transpose", "Shape", "Gather",
             "Concat", "Slice", "Split", "Constant", "ConstantOfShape", "Expand", "Tile"}
 
@@ -309,6 +311,15 @@ def analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None,
                 unknown.append(t)
     if unknown:
         shapes.update(_shapes_by_running(one, unknown))
+    batched = _batched_tensors(m, shapes, consts)
+    for o in g.output:
+        if o.name not in batched:
+            dims = _dims(o)
+            raise InputError(
+                f"output {o.name!r} has no fixed size per request (shape {dims}, its size depends on "
+                "the input's content or could not be determined): ppiped serves outputs of a fixed "
+                "shape; if it follows the input's size, fix that with --input-shape, otherwise export "
+                "the model with a fixed-size output (e.g. padded to a maximum number of detections)")
     layers = [
         Layer(i, n.name or f"{n.op_type}_{i}", n.op_type, list(n.input), list(n.output))
         for i, n in enumerate(g.node)
@@ -317,7 +328,8 @@ def analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None,
     for layer, n in zip(layers, g.node, strict=True):
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         _layer_cost(layer, shapes, consts, inits, attrs)
-    cuts = _valid_cuts(g, consts, shapes, dtypes, max_cut_tensors)
+    crossable = {t for t in batched if dtypes.get(t) in FEATURE_TYPES}
+    cuts = _valid_cuts(g, consts, shapes, dtypes, max_cut_tensors, crossable)
     return ModelGraph(m, layers, cuts, inp.name, tuple(shapes[inp.name][1:]),
                       [o.name for o in g.output], shapes, dtypes)
 
@@ -333,9 +345,10 @@ def _check_topological(g: onnx.GraphProto, inits: dict) -> None:
 
 
 def _valid_cuts(g: onnx.GraphProto, consts: set[str], shapes: dict[str, tuple[int, ...]],
-                dtypes: dict[str, int], max_tensors: int = 1) -> list[Cut]:
-    """Cuts with 1..``max_tensors`` activations crossing and no graph output among them, by a
-    sweep over live ranges [producer, last use)."""
+                dtypes: dict[str, int], max_tensors: int = 1, crossable: set[str] | None = None) -> list[Cut]:
+    """Cuts with 1..``max_tensors`` activations crossing, all of them ``crossable`` (feature maps
+    of a fixed shape per request) and no graph output among them, by a sweep over live ranges
+    [producer, last use)."""
     n = len(g.node)
     produced: dict[str, int] = {i.name: -1 for i in g.input if i.name not in consts}
     last_use: dict[str, int] = {}
@@ -364,15 +377,59 @@ def _valid_cuts(g: onnx.GraphProto, consts: set[str], shapes: dict[str, tuple[in
         live.difference_update(ends.get(k, []))
         if all(t in consts for t in g.node[k].output if t):
             continue  # after a node computing constants only: the same cut as before it
-        if 1 <= len(live) <= max_tensors and not (live & outputs):
+        if 1 <= len(live) <= max_tensors and not (live & outputs) and \
+                (crossable is None or live <= crossable):
             ts = tuple(sorted(live, key=lambda t: (produced[t], t)))
             cuts.append(Cut(k, ts, tuple(_numel(shapes.get(t, (1,))) for t in ts),
                             tuple(dtypes.get(t, TensorProto.FLOAT) for t in ts)))
     return cuts
 
 
-def _shapes_by_running(model: onnx.ModelProto, names: list[str]) -> dict[str, tuple[int, ...]]:
-    """Shapes that inference could not derive, read off one ONNX Runtime run at batch size 1."""
+def _batched_tensors(m: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], consts: set[str]) -> set[str]:
+    """Activations with a batch axis and a fixed shape per request: proven by shape inference, or
+    else seen so on runs at batch sizes 1 and 2 with different inputs. Only these may cross a cut
+    or leave the model (executors size every boundary from its spec). The observed ones get their
+    shapes written into ``m``'s value_info, so every exported piece carries full shapes."""
+    g = m.graph
+    proven: set[str] = set()
+    declared: dict[str, onnx.ValueInfoProto] = {}
+    for vi in [*g.input, *g.value_info, *g.output]:
+        declared[vi.name] = vi
+        dims = _dims(vi)
+        if dims and dims[0] == BATCH_DIM and all(isinstance(d, int) for d in dims[1:]):
+            proven.add(vi.name)
+    acts = [t for n in g.node for t in n.output if t and t not in consts]
+    rest = [t for t in acts if t not in proven and t in shapes]
+    if not rest:
+        return proven
+    seen = _shapes_by_running(m, rest, batch=2, seed=1)
+    observed = {t for t in rest if shapes[t][:1] == (1,) and seen[t] == (2, *shapes[t][1:])}
+    for t in observed:
+        vi = declared.get(t)
+        if vi is None:
+            vi = g.value_info.add()
+            vi.name = t
+            vi.type.tensor_type.elem_type = _elem_type_of(m, t)
+        shape = vi.type.tensor_type.shape
+        del shape.dim[:]
+        shape.dim.add().dim_param = BATCH_DIM
+        for d in shapes[t][1:]:
+            shape.dim.add().dim_value = int(d)
+    return proven | observed
+
+
+def _elem_type_of(m: onnx.ModelProto, name: str) -> int:
+    """A tensor's element type as ONNX Runtime reports it (for one shape inference left untyped)."""
+    for vi in [*m.graph.input, *m.graph.value_info, *m.graph.output]:
+        if vi.name == name and vi.type.tensor_type.elem_type:
+            return vi.type.tensor_type.elem_type
+    return TensorProto.FLOAT
+
+
+def _shapes_by_running(model: onnx.ModelProto, names: list[str], batch: int = 1,
+                       seed: int = 0) -> dict[str, tuple[int, ...]]:
+    """Shapes that inference could not derive, read off one ONNX Runtime run (at ``batch`` when
+    the model's batch axis is symbolic, on a random input drawn with ``seed``)."""
     import onnxruntime as ort
 
     m = copy.deepcopy(model)
@@ -382,7 +439,7 @@ def _shapes_by_running(model: onnx.ModelProto, names: list[str]) -> dict[str, tu
             m.graph.output.append(helper.make_empty_tensor_value_info(t))
     try:
         sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-        feeds = {i.name: _random_input(i) for i in sess.get_inputs()}
+        feeds = {i.name: _random_input(i, batch, seed) for i in sess.get_inputs()}
         outs = sess.run(names, feeds)
     except Exception as e:
         raise InputError(f"cannot determine the shapes of {len(names)} tensors "
@@ -390,7 +447,7 @@ def _shapes_by_running(model: onnx.ModelProto, names: list[str]) -> dict[str, tu
     return {t: tuple(int(d) for d in o.shape) for t, o in zip(names, outs, strict=True)}
 
 
-def _random_input(meta) -> np.ndarray:
-    shape = [d if isinstance(d, int) else 1 for d in meta.shape]
+def _random_input(meta, batch: int = 1, seed: int = 0) -> np.ndarray:
+    shape = [d if isinstance(d, int) else (batch if k == 0 else 1) for k, d in enumerate(meta.shape)]
     dt = {"tensor(float)": np.float32, "tensor(float16)": np.float16}.get(meta.type, np.float32)
-    return np.random.default_rng(0).standard_normal(shape).astype(dt)
+    return np.random.default_rng(seed).standard_normal(shape).astype(dt)

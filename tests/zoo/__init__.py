@@ -129,7 +129,8 @@ def fpn() -> onnx.ModelProto:
     feats, x, cin = [], "image", 3
     for i, c in enumerate(chans):
         x = n.conv(x, cin, c, f"backbone.stage{i + 1}.down", stride=2)
-        x = n.conv(x, c, c, f"backbone.stage{i + 1}.conv")
+        for r in range(3):  # real backbones stack several convolutions per stage
+            x = n.conv(x, c, c, f"backbone.stage{i + 1}.conv{r}")
         feats.append(x)
         cin = c
     inner = 16
@@ -159,12 +160,16 @@ def yolo(num_classes: int = 4) -> onnx.ModelProto:
     anchors, per_box = 3, 5 + num_classes
     x = n.conv("image", 3, 8, "backbone.stem", stride=2, act="silu")
     x = n.conv(x, 8, 16, "backbone.down1", stride=2, act="silu")
-    r = n.conv(x, 16, 8, "backbone.c3.cv1", k=1, act="silu")
-    r = n.conv(r, 8, 16, "backbone.c3.cv2", act="silu")
-    x = n.op("Add", [x, r], "backbone.c3.add")
+    for k in range(2):  # C3-style residual bottlenecks
+        r = n.conv(x, 16, 8, f"backbone.c3.{k}.cv1", k=1, act="silu")
+        r = n.conv(r, 8, 16, f"backbone.c3.{k}.cv2", act="silu")
+        x = n.op("Add", [x, r], f"backbone.c3.{k}.add")
     c3 = n.conv(x, 16, 24, "backbone.down2", stride=2, act="silu")
+    c3 = n.conv(c3, 24, 24, "backbone.c3b", act="silu")
     c4 = n.conv(c3, 24, 32, "backbone.down3", stride=2, act="silu")
+    c4 = n.conv(c4, 32, 32, "backbone.c4b", act="silu")
     c5 = n.conv(c4, 32, 48, "backbone.down4", stride=2, act="silu")
+    c5 = n.conv(c5, 48, 48, "backbone.c5b", act="silu")
     p5 = n.conv(c5, 48, 32, "neck.reduce5", k=1, act="silu")
     x = n.op("Concat", [n.resize(p5, 2, "neck.up5"), c4], "neck.cat4", axis=1)
     p4 = n.conv(x, 64, 24, "neck.reduce4", k=1, act="silu")
