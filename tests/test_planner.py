@@ -331,3 +331,17 @@ def test_algo_configs_shapes():
     assert npc and all(len(c.segments) == 1 and c.segments[0].split == 1 for c in npc)
     dart = algo_configs(TOY["alpha"], cl, TOY_PARAMS, "dart-r", slo, 300.0)
     assert all(c.tied == (len(c.segments) == 2) for c in dart)
+
+
+def test_rates_fall_back_to_one_partition_on_vgpus_when_np_cannot_place_every_model():
+    """Two models, one GPU shared across models at split 2: NP (whole GPUs) has no plan, so the
+    batching-delay rates come from one partition per model on vGPUs, and the plan says so."""
+    one = cluster_from_json({"nic_gbps": 10, "gpus": {"A": {"count": 1, "per_server": 1, "splits": [1, 2]}}})
+    shared = PlanParams(slo_scale=5.0, slo_reference_gpu="A", share_gpus=True)
+    with pytest.raises(InputError, match="too small to serve every model"):
+        plan_cluster(TOY, ["alpha", "beta"], [1.0, 1.0], one, shared, "np", 10.0)
+    plan = plan_cluster(TOY, ["alpha", "beta"], [1.0, 1.0], one, shared, "ppipe", 10.0)
+    assert plan.solver["batch_delay_rates_from"] == "np-vgpus"
+    assert {m.model for m in plan.models} == {"alpha", "beta"} and all(m.throughput_rps > 0 for m in plan.models)
+    assert check(plan, TOY) == []
+    assert toy_plan().solver["batch_delay_rates_from"] == "given"

@@ -31,6 +31,9 @@ ALGOS = ("ppipe", "np", "dart-r")
 # this fraction, or after this many re-solves.
 _RATE_TOL = 0.01
 _RATE_ROUNDS = 4
+# NP's configuration space with vGPU splits allowed: the stand-in for NP's rates when NP cannot
+# place every model on whole GPUs.
+_NP_VGPUS = "np-vgpus"
 
 
 def plan_cluster(
@@ -66,17 +69,29 @@ def plan_cluster(
     rates: dict[str, float]
     if batch_delay_rates is not None:
         rates = dict(zip(models, (float(r) for r in batch_delay_rates), strict=True))
+        rates_from = "given"
     else:
         try:
             rates = _np_rates(profiles, models, req["weights"], cluster, params, slo, t0 + time_limit,
                               threads, mip_gap)
+            rates_from = "np"
         except InputError as e:
-            raise InputError(f"{e} (the NP plan sets each model's batching-delay rate; give the "
-                             "rates explicitly to plan without it)") from None
+            # Fewer GPUs than models (a small CPU host, say): NP cannot place every model on whole
+            # GPUs, but one partition per model on vGPUs may; its throughputs stand in for NP's.
+            try:
+                rates = _np_rates(profiles, models, req["weights"], cluster, params, slo, t0 + time_limit,
+                                  threads, mip_gap, algo=_NP_VGPUS)
+                rates_from = _NP_VGPUS
+                log.warning("planner: the NP plan has no solution (%s); batching-delay rates come from "
+                            "one partition per model on vGPUs instead", e)
+            except InputError:
+                raise InputError(f"{e} (the NP plan sets each model's batching-delay rate; give the "
+                                 "rates explicitly to plan without it)") from None
     deadline = t0 + time_limit
     plan = _plan_once(profiles, models, req["weights"], cluster, params, algo, slo, rates,
                       max(0.5, deadline - time.perf_counter()), threads, mip_gap)
     plan.solver["plan_s"] = time.perf_counter() - t0
+    plan.solver["batch_delay_rates_from"] = rates_from
     return plan
 
 
@@ -127,7 +142,7 @@ def _validate(profiles, models, weights, cluster, params, algo, time_limit, rate
 
 
 def _np_rates(profiles, models, weights, cluster, params, slo, deadline, threads,
-              mip_gap) -> dict[str, float]:
+              mip_gap, algo: str = "np") -> dict[str, float]:
     """λ for the batching-delay estimate: each model's throughput in the NP plan.
 
     The NP plan needs λ itself, so it is solved first without the delay estimate and then
@@ -135,7 +150,7 @@ def _np_rates(profiles, models, weights, cluster, params, slo, deadline, threads
     """
     rates: dict[str, float | None] = dict.fromkeys(models)
     for rnd in range(_RATE_ROUNDS + 1):
-        p = _plan_once(profiles, models, weights, cluster, params, "np", slo, rates,
+        p = _plan_once(profiles, models, weights, cluster, params, algo, slo, rates,
                        max(0.5, (deadline - time.perf_counter()) / 4), threads, mip_gap)
         new = {m.model: m.throughput_rps for m in p.models}
         settled = all(r is not None and abs(new[m] - r) <= _RATE_TOL * r for m, r in rates.items())
@@ -152,6 +167,9 @@ def algo_configs(profile: Profile, cluster: Cluster, params: PlanParams, algo: s
     whole = {g: (1,) for g in cluster.gpus}
     if algo == "np":
         return prune_dominated(enumerate_configs(profile, cluster, params, slo_us, rate_rps, 1, whole,
+                                                 max_batch))
+    if algo == _NP_VGPUS:
+        return prune_dominated(enumerate_configs(profile, cluster, params, slo_us, rate_rps, 1, None,
                                                  max_batch))
     if algo == "dart-r":
         return _dart_configs(profile, cluster, params, slo_us, rate_rps, max_batch)

@@ -121,9 +121,10 @@ def constant_weights() -> onnx.ModelProto:
     return n.model("constant_weights", [_image("image", 3, 32, 32)], [_out("logits", 10)])
 
 
-def fpn() -> onnx.ModelProto:
+def fpn(size: int = 48) -> onnx.ModelProto:
     """DBNet-like text detector: 4 backbone stages (strides 2-16), an FPN neck whose lateral
-    maps all stay live until the final Concat, and a probability-map head."""
+    maps all stay live until the final Concat, and a probability-map head; ``size`` x ``size``
+    input (a multiple of 16)."""
     n = _Net(seed=2)
     chans = [8, 16, 24, 32]
     feats, x, cin = [], "image", 3
@@ -150,12 +151,13 @@ def fpn() -> onnx.ModelProto:
     x = n.op("ConvTranspose", [x, w, n.bias("head.deconv.bias", 1)], "head.deconv",
              kernel_shape=[2, 2], strides=[2, 2])
     n.op("Sigmoid", [x], "prob_map")
-    return n.model("fpn", [_image("image", 3, 48, 48)], [_out("prob_map", 1, 48, 48)])
+    return n.model("fpn", [_image("image", 3, size, size)], [_out("prob_map", 1, size, size)])
 
 
-def yolo(num_classes: int = 4) -> onnx.ModelProto:
+def yolo(num_classes: int = 4, size: int = 64) -> onnx.ModelProto:
     """YOLOv5-like detector: SiLU backbone with a residual stage and 3 output scales, a PAN neck
-    (upsample + concat down, strided conv + concat up) and 3 heads reshaped into one box list."""
+    (upsample + concat down, strided conv + concat up) and 3 heads reshaped into one box list;
+    ``size`` x ``size`` input (a multiple of 32)."""
     n = _Net(seed=3)
     anchors, per_box = 3, 5 + num_classes
     x = n.conv("image", 3, 8, "backbone.stem", stride=2, act="silu")
@@ -183,7 +185,8 @@ def yolo(num_classes: int = 4) -> onnx.ModelProto:
              "neck.pan5", axis=1)
     out5 = n.conv(x, 64, 48, "neck.out5", act="silu")
     boxes = []
-    for i, (t, c, hw) in enumerate([(out3, 24, 8), (out4, 32, 4), (out5, 48, 2)]):
+    grids = (size // 8, size // 16, size // 32)
+    for i, (t, c, hw) in enumerate(zip((out3, out4, out5), (24, 32, 48), grids, strict=True)):
         y = n.conv(t, c, anchors * per_box, f"head.m{i}", k=1, act=None)
         y = n.op("Reshape", [y, n.ints(f"head.m{i}.shape5", [0, anchors, per_box, hw, hw])],
                  f"head.m{i}.view")
@@ -192,8 +195,8 @@ def yolo(num_classes: int = 4) -> onnx.ModelProto:
         boxes.append(n.op("Reshape", [y, n.ints(f"head.m{i}.shape3", [0, -1, per_box])],
                           f"head.m{i}.flat"))
     n.op("Concat", boxes, "detections", axis=1)
-    total = anchors * (8 * 8 + 4 * 4 + 2 * 2)
-    return n.model("yolo", [_image("image", 3, 64, 64)], [_out("detections", total, per_box)])
+    total = anchors * sum(g * g for g in grids)
+    return n.model("yolo", [_image("image", 3, size, size)], [_out("detections", total, per_box)])
 
 
 def dynamic_hw() -> onnx.ModelProto:
@@ -232,9 +235,10 @@ def dynamic_output() -> onnx.ModelProto:
     return n.model("dynamic_output", [_image("image", 3, 32, 32)], [_out("peaks", "K")])
 
 
-def attention(num_classes: int = 37) -> onnx.ModelProto:
+def attention(num_classes: int = 37, width: int = 64) -> onnx.ModelProto:
     """Text-recognizer-like: conv stem, columns as a sequence [N, T, C], one post-norm
-    transformer block (self-attention + FFN), per-step class probabilities."""
+    transformer block (self-attention + FFN), per-step class probabilities; a 32 x ``width``
+    text line (``width`` a multiple of 4: T = width / 4 steps)."""
     n = _Net(seed=6)
     c = 32
     x = n.conv("image", 3, 8, "stem.conv1", stride=2)
@@ -261,7 +265,7 @@ def attention(num_classes: int = 37) -> onnx.ModelProto:
                                     n.floats("norm2.bias", [0.0] * c)], "norm2", axis=-1)
     x = n.linear(x, c, num_classes, "classifier", gain=1.0)
     n.op("Softmax", [x], "char_probs", axis=-1)
-    return n.model("attention", [_image("image", 3, 32, 64)], [_out("char_probs", 16, num_classes)])
+    return n.model("attention", [_image("image", 3, 32, width)], [_out("char_probs", width // 4, num_classes)])
 
 
 def two_inputs() -> onnx.ModelProto:
