@@ -369,3 +369,20 @@ def test_constant_node_weights_are_not_layers(tiny, tmp_path):
     whole = tmp_path / "const-whole.onnx"
     onnx.save(const, str(whole))
     assert chain_error(str(whole), paths) <= 1e-2
+
+
+def test_cpu_splits_that_share_a_core_are_timed_as_a_share_of_its_time(tiny, tmp_path):
+    """On a CPU "GPU" of one core, a split-2 vGPU gets half the core: its figure is twice one
+    copy's time alone (copies time-slicing a core and timed together overlap only in part)."""
+    from ppiped.profiler.profile import _cpu_time_share
+
+    def share(threads, v, backend="ort"):
+        return _cpu_time_share(ProfileRequest(model_path=tiny, out_dir=tmp_path, backend=backend,
+                                              threads=threads), v)
+
+    assert share(1, 2) == 2 and share(1, 4) == 4 and share(2, 4) == 2
+    assert share(4, 2) == 1 and share(1, 1) == 1 and share(1, 2, backend="trt") == 1
+    prof, _ = profile_model(ProfileRequest(model_path=tiny, out_dir=tmp_path / "p", backend="ort", blocks=2,
+                                           max_batch=1, splits=[1, 2], threads=1, timing=FAST, progress=False))
+    mode = prof.extra["latency_source"]["CPU"]["splits"]["2"]
+    assert mode["sharing"].startswith("time-shared") and mode["copies_running_together"] == 1

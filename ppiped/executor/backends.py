@@ -156,6 +156,18 @@ class OrtBackend(_TensorBackend):
         so.add_session_config_entry("session.inter_op.allow_spinning", "0")
         self.sess = ort.InferenceSession(part.onnx_bytes, so, providers=["CPUExecutionProvider"])
         self._outs = [o.name for o in part.outputs]
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """One run at every batch size the plan may send, before the vGPU registers: ONNX Runtime
+        plans its memory on the first run of a shape, which takes several times the profiled
+        latency and would make the first real batch of each size overrun its reservation."""
+        import numpy as np
+
+        part = self.part
+        assert part is not None
+        for bs in range(1, max(1, len(self.a.lat_us)) + 1):
+            self.infer({s.name: np.zeros((bs, *s.shape), dtype=s.dtype) for s in part.inputs})
 
     def infer(self, feeds):
         import numpy as np

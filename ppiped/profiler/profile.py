@@ -291,6 +291,24 @@ def _estimate_latencies(req: ProfileRequest, graph: ModelGraph, blocks: Sequence
     return lat, whole, source
 
 
+def _cpu_time_share(req: ProfileRequest, split: int) -> float:
+    """How many times longer a batch takes on one of ``split`` ORT vGPUs of a CPU "GPU" (its
+    ``--threads`` cores) than alone with the same threads, when the copies outnumber the cores.
+
+    Copies time-slicing a core, timed together, overlap only in part (each finishes its rounds at
+    its own pace), so their figures swing between 1x and v x; what a vGPU that gets 1/v of a
+    core's time takes is v x what one copy takes alone (cache contention aside), and one copy's
+    CPU time is also what other load on the host leaves untouched. 1 when no core is shared.
+    """
+    if req.backend != "ort" or split <= 1:
+        return 1.0
+    from .backends.ort import cpu_count
+
+    total = req.threads or cpu_count()
+    per = max(1, total // split)
+    return split * per / total
+
+
 def _measure_latencies(req: ProfileRequest, graph: ModelGraph, blocks: Sequence[Block],
                        files: Sequence[Path], whole_path: Path) -> tuple[dict, float, dict]:
     bss = tuple(range(1, req.max_batch + 1))
@@ -309,6 +327,9 @@ def _measure_latencies(req: ProfileRequest, graph: ModelGraph, blocks: Sequence[
             copies = v if req.concurrent else 1
             env: dict[str, str] = {}
             mode = "whole device" if v == 1 else "cpu threads"
+            share = _cpu_time_share(req, v)
+            if share > 1:  # more copies than cores: each vGPU is a share of a core's time
+                copies, mode = 1, f"time-shared: one copy timed alone, x{share:g}"
             if req.backend in GPU_BACKENDS and v > 1:
                 mode = "time-sliced (no MPS)"
                 if req.mps != "off" and not mps_on and mps.error is None:
@@ -325,7 +346,7 @@ def _measure_latencies(req: ProfileRequest, graph: ModelGraph, blocks: Sequence[
             if v == 1:
                 whole = res.latency_us[-1][0]
                 res.latency_us = res.latency_us[:-1]
-            lat[v] = np.array(res.latency_us)
+            lat[v] = np.array(res.latency_us) * max(1.0, share)
             per_split[str(v)] = {"copies_running_together": copies, "sharing": mode,
                                  "active_thread_percentage": round(100.0 / v, 2) if mode == "mps" else None,
                                  "copy_spread": round(res.spread, 4), "workers": res.info["workers"]}
