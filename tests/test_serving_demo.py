@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from conftest import MODELS_DIR, reference_plans
 
@@ -34,10 +33,56 @@ def check_demo_json(out: str) -> dict:
 
 
 def test_demo_default_plan_json():
+    """The example plan pipelines across P4 and V100 (P4s first), beats NP, and its first such
+    pipeline served for real by ort executors equals the whole model; then the emulated run."""
+    from ppiped.commands.demo import format_head
+
     p = ppiped("demo", "--duration", "2", "--load-factor", "0.5", "--json", timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     r = check_demo_json(p.stdout)
     assert r["time_scale"] >= 1 and r["vgpus"] > 0
+    spanning = [q for q in r["pipelines"] if q["gpu_classes"] == ["P4", "V100"]]
+    assert spanning and spanning[0]["partitions"][0]["gpu"] == "P4"
+    c = r["comparison"]
+    assert c["algo"] == "ppipe" and c["gain"] > 1.5 and c["plan_rps"] > c["np_rps"] > 0
+    real = r["real_inference"]
+    assert real["equal"] and not real["errors"] and real["frames"] > 0
+    assert real["partitions"] == [{"blocks": q["blocks"], "gpu": q["gpu"]} for q in spanning[0]["partitions"]]
+    assert 0 <= real["max_diff"] <= 1e-2 * real["output_range"]
+    assert set(r["gpu_classes"]) == {"P4", "V100"}
+    head = format_head(r)
+    assert f"PPipe {c['plan_rps']:.0f} rps vs NP {c['np_rps']:.0f} rps (×{c['gain']:.2f})" in head
+    assert "real inference: partitions [0," in head and "equal to the whole model" in head
+
+
+def test_example_plan_is_the_committed_cluster_and_checks():
+    """plans/example/plan.json is planned on plans/example/cluster.toml and breaks no rule."""
+    from ppiped.cluster import load_cluster
+    from ppiped.plan import check, load_plan
+    from ppiped.profiles import load_profiles
+
+    plan = load_plan(EXAMPLE_PROFILE.parent / "plan.json")
+    assert plan.cluster == load_cluster(EXAMPLE_PROFILE.parent / "cluster.toml")
+    assert check(plan, load_profiles(EXAMPLE_PROFILE.parent, ["example"])) == []
+
+
+def test_real_check_reports_a_difference_or_a_failure(tmp_path, monkeypatch):
+    import ppiped.realcheck
+    from ppiped.commands import demo
+    from ppiped.plan import load_plan
+    from ppiped.realcheck import RealCheck, format_check
+
+    c = RealCheck([((0, 5), "P4"), ((5, 10), "V100")], 8, [3, 128, 128], max_diff=0.5, output_range=2.0)
+    assert RealCheck.from_json(c.to_json()) == c
+    assert "DIFFERS from the whole model" in format_check(c)
+
+    def broken(*a, **k):
+        raise RuntimeError("executor for vGPU 1 exited")
+
+    monkeypatch.setattr(ppiped.realcheck, "serve_and_compare", broken)
+    r = demo.real_inference(load_plan(EXAMPLE_PROFILE.parent / "plan.json"), tmp_path)
+    assert not r["equal"] and r["partitions"][0]["gpu"] == "P4"
+    assert "FAILED: RuntimeError: executor for vGPU 1 exited" in format_check(RealCheck.from_json(r))
 
 
 def test_demo_reference_plan_text():
@@ -74,59 +119,24 @@ def test_loadgen_cli():
             assert p.returncode == 2 and "MODEL=REQ_PER_S" in p.stderr
 
 
-def _example_two_partition_plan(d: Path, profile: Path) -> Path:
-    """The example CNN cut in two ([0,4) on a P4, [4,10) on a V100), a loose SLO for CPU inference."""
-    from ppiped.profiles import load_profile
-
-    prof = load_profile(profile)
-    parts = []
-    for (a, b), gpu in (((0, 4), "P4"), ((4, 10), "V100")):
-        parts.append({"blocks": [a, b], "gpu": gpu, "vgpu_split": 1, "num_vgpus": 1,
-                      "lat_infer_us": prof.partition_latency_us(gpu, 1, a, b, 2),
-                      "lat_trans_us": prof.transfer_us(b, 2, 10.0), "throughput_rps": 1.0, "batch_size": 2})
-    plan = {"format": "ppiped-plan/1", "algo": "hand",
-            "cluster": {"nic_gbps": 10.0, "gpus": {"V100": {"count": 1, "per_server": 1, "splits": [1]},
-                                                   "P4": {"count": 1, "per_server": 1, "splits": [1]}}},
-            "params": {"slo_scale": None, "slo_reference_gpu": None}, "objective": {"normalized_throughput": 1.0},
-            "models": [{"model": "example", "slo_us": 5e6, "weight": 1.0, "throughput_rps": 1.0,
-                        "batch_delay_rate_rps": 1.0,
-                        "pipelines": [{"batch_size": 2, "throughput_rps": 1.0, "latency_us": 1e4,
-                                       "partitions": parts}]}]}
-    path = d / "plan.json"
-    path.write_text(json.dumps(plan))
-    return path
-
-
 def test_example_cnn_served_by_ort_partitions_cut_from_the_profile():
     """No partition files configured: the executors cut [0,4) and [4,10) from the profiled model
     (the profile records the model file and its block cuts), run them with ONNX Runtime, and the
-    results match the whole model."""
+    results match the whole model. A profile without its (uncommitted) model file, as in a fresh
+    clone, gets the example built afresh."""
     pytest.importorskip("onnxruntime")
-    import onnxruntime as ort
-
-    from ppiped.client import Client
+    from ppiped.profiler.example import example_with_model
+    from ppiped.realcheck import serve_and_compare
 
     with short_tmpdir("ppiped-ex-") as d:
         d = Path(d)
-        profile = EXAMPLE_PROFILE
-        info = json.loads(profile.read_text()) if profile.exists() else {}
-        if not (profile.parent / info.get("onnx", "-")).is_file():
-            p = ppiped("example-model", "-o", str(d / "example"))
-            assert p.returncode == 0, p.stderr[-2000:]
-            profile = d / "example" / "example.json"
-            info = json.loads(profile.read_text())
-        model_path = profile.parent / info["onnx"]
-        plan = _example_two_partition_plan(d, profile)
-        cfg = write_config(d, plan, profile.parent, backend="ort", scheduler={"wait_guard_us": 1e6})
-        shape = info["input"]["shape"]
-        x = np.random.default_rng(2).standard_normal((4, *shape)).astype(np.float32)  # two full batches
-        with LocalCluster(cfg, [[0], [1]]) as c, Client(c.client_endpoint, timeout_s=60) as cl:
-            m = cl.info()["models"]["example"]  # clients learn the input the profile recorded
-            assert m["input"]["shape"] == list(shape) and m["input_bytes"] == x[0].nbytes
-            out = cl.submit_many("example", [xi.tobytes() for xi in x])
-        sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
-        want = sess.run(None, {sess.get_inputs()[0].name: x})[0]
-        for i, r in enumerate(out):
-            (y,) = r.arrays()
-            scale = float(np.abs(want[i]).max())
-            assert float(np.abs(y - want[i]).max()) <= 2e-2 * scale + 1e-3
+        bare = d / "bare"
+        bare.mkdir()
+        (bare / "example.json").write_text(EXAMPLE_PROFILE.read_text())
+        profile = example_with_model(bare, d / "example")
+        assert profile == d / "example" / "example.json"
+        assert json.loads(profile.read_text()) == json.loads(EXAMPLE_PROFILE.read_text())
+        c = serve_and_compare(d, profile, [((0, 4), "P4"), ((4, 10), "V100")], frames=4)
+        assert c.input_shape == json.loads(profile.read_text())["input"]["shape"]  # clients learn the input
+        assert c.equal and not c.errors and c.frames == 4, c
+        assert c.max_diff <= 1e-2 * c.output_range

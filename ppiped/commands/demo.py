@@ -1,6 +1,17 @@
 """``ppiped demo``: the scheduler and an emulated cluster on this host, driven by the load generator.
 
-What runs: ``ppiped serve`` and a few ``ppiped-executor`` processes (backend ``emulate``, each
+With the embedded example (the default) the demo shows PPipe's point before the load: the plan
+(``plans/example/plan.json``, the example CNN on ``plans/example/cluster.toml``: one V100 beside
+twelve P4s, made by ``ppiped plan --profiles plans/example --models example --cluster
+plans/example/cluster.toml --slo-reference-gpu V100 --slo-scale 7 -o plans/example/plan.json``)
+pipelines the model across both GPU classes, the P4s running the early layers; printed are its
+pipelines, and its throughput against NP's (the whole model on whole GPUs) planned now on the
+same cluster and SLO. Then the plan's first pipeline that spans two GPU classes is served for
+real: its partitions, cut from the example's ONNX model, run by ``ort`` executors on this host's
+CPU, one process each, and every output is checked against the whole model run by ONNX Runtime
+(:mod:`ppiped.realcheck`); the demo exits 1 if they differ.
+
+What runs next: ``ppiped serve`` and a few ``ppiped-executor`` processes (backend ``emulate``, each
 hosting many vGPUs) on private ipc:// sockets, then ``loadgen`` at ``--load-factor`` times each
 model's planned throughput. Printed per model: offered rate, attainment, drops, p50/p99 latency
 as the client measured them; per GPU class: the share of vGPU time spent in batches.
@@ -33,6 +44,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,10 +101,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 # --- which plan --------------------------------------------------------------------------
 
 
-# The example CNN is profiled on V100 (split 1-4) and P4; a small cluster of both to plan it on
-# when the example directory brings no cluster spec of its own.
-DEMO_CLUSTER = {"nic_gbps": 10, "gpus": {"V100": {"count": 2, "per_server": 2, "splits": [1, 2, 3, 4]},
-                                         "P4": {"count": 6, "per_server": 1, "splits": [1]}}}
+# The example CNN is profiled on V100 (split 1-4) and P4; the cluster of plans/example/cluster.toml
+# to plan it on when the example directory brings no cluster spec of its own.
+DEMO_CLUSTER = {"nic_gbps": 40, "gpus": {"V100": {"count": 1, "per_server": 1, "splits": [1, 2, 3, 4]},
+                                         "P4": {"count": 12, "per_server": 2, "splits": [1]}}}
+# SLO = 7 x the example's V100 latency: too tight for a P4 to run the whole model (so NP leaves the
+# P4s idle), loose enough for P4s to run its first half ahead of the V100 (plans/example/cluster.toml).
+EXAMPLE_SLO_SCALE = 7.0
 
 
 def _example_plan(cluster_path: str | None) -> tuple[Plan, dict[str, Profile], str] | None:
@@ -116,8 +131,8 @@ def _example_plan(cluster_path: str | None) -> tuple[Plan, dict[str, Profile], s
     else:
         cluster, where = cluster_from_json(DEMO_CLUSTER, "demo cluster"), _cluster_text(DEMO_CLUSTER)
     ref = profiles["example"].extra.get("slo_reference_gpu", "L4")
-    plan = plan_cluster(profiles, ["example"], [1.0], cluster, PlanParams(slo_reference_gpu=ref),
-                        time_limit=20.0)
+    plan = plan_cluster(profiles, ["example"], [1.0], cluster,
+                        PlanParams(slo_scale=EXAMPLE_SLO_SCALE, slo_reference_gpu=ref), time_limit=20.0)
     return plan, profiles, f"example CNN (plans/example) planned now with the ppipe MILP on {where}"
 
 
@@ -133,16 +148,73 @@ def _tiny_plan(work: Path) -> tuple[Plan, dict[str, Profile], str]:
     return load_plan(plan_path), load_profiles(prof_dir), "tiny two-pool plan (ppiped.executor.tiny)"
 
 
-def choose_plan(args: argparse.Namespace, work: Path) -> tuple[Plan, dict[str, Profile], str]:
+def choose_plan(args: argparse.Namespace, work: Path) -> tuple[Plan, dict[str, Profile], str, bool]:
+    """The plan to serve, its profiles, where it came from, and whether it is the example's."""
     if args.plan:
         if not args.profiles:
             raise InputError("--plan needs --profiles (the directory of its models' profiles)")
         plan = load_plan(args.plan)
-        return plan, load_profiles(args.profiles, [m.model for m in plan.models]), args.plan
+        return plan, load_profiles(args.profiles, [m.model for m in plan.models]), args.plan, False
     if args.profiles:
         raise InputError("--profiles is only used with --plan")
     found = _example_plan(args.cluster)
-    return found if found is not None else _tiny_plan(work)
+    return (*found, True) if found is not None else (*_tiny_plan(work), False)
+
+
+# --- what the plan is, and that its cuts compute the model ------------------------------------
+
+
+def pipeline_rows(plan: Plan) -> list[dict[str, Any]]:
+    """Each pipeline of each model with its partitions, as the summary prints them."""
+    rows = []
+    for m in plan.models:
+        for i, p in enumerate(m.pipelines):
+            parts = [{"blocks": list(q.blocks), "gpu": q.gpu, "vgpu_split": q.vgpu_split,
+                      "num_vgpus": q.num_vgpus} for q in p.partitions]
+            rows.append({"model": m.model, "pipeline": i, "batch_size": p.batch_size,
+                         "throughput_rps": p.throughput_rps, "partitions": parts,
+                         "gpu_classes": sorted({q.gpu for q in p.partitions})})
+    return rows
+
+
+def compare_with_np(plan: Plan, profiles: dict[str, Profile]) -> dict[str, Any]:
+    """The plan's throughput against NP's (each GPU runs the whole model, no vGPUs) planned now on
+    the same cluster with the same SLOs and weights: what partitioning and vGPUs buy."""
+    from ..planner import plan_cluster
+
+    np_plan = plan_cluster(profiles, [m.model for m in plan.models], [m.weight for m in plan.models],
+                           plan.cluster, plan.params, algo="np", time_limit=20.0,
+                           slos_us=[m.slo_us for m in plan.models])
+    ours = sum(m.throughput_rps for m in plan.models)
+    theirs = sum(m.throughput_rps for m in np_plan.models)
+    return {"algo": plan.algo or "plan", "plan_rps": ours, "np_rps": theirs,
+            "gain": ours / theirs if theirs > 0 else math.inf,
+            "objective": plan.normalized_throughput, "np_objective": np_plan.normalized_throughput}
+
+
+def checked_pipeline(plan: Plan, model: str) -> list[tuple[tuple[int, int], str]]:
+    """The partitions to serve for real: the first pipeline spanning two GPU classes, else the
+    one with the most partitions."""
+    pipes = plan.model(model).pipelines
+    multi = [p for p in pipes if len({q.gpu for q in p.partitions}) > 1]
+    pick = multi[0] if multi else max(pipes, key=lambda p: len(p.partitions))
+    return [(q.blocks, q.gpu) for q in pick.partitions]
+
+
+def real_inference(plan: Plan, work: Path) -> dict[str, Any]:
+    """The example's checked pipeline served by ort executors and compared with the whole model;
+    a run that cannot serve it at all is a failed check, not a crash, so the load still runs."""
+    from ..profiler.example import EXAMPLE_NAME, example_with_model
+    from ..realcheck import RealCheck, serve_and_compare
+
+    cuts = checked_pipeline(plan, EXAMPLE_NAME)
+    real_dir = work / "real"
+    real_dir.mkdir(exist_ok=True)
+    try:
+        profile = example_with_model(EXAMPLE_DIR, work / "example-model")
+        return serve_and_compare(real_dir, profile, cuts).to_json()
+    except Exception as e:
+        return RealCheck(cuts, 0, [], errors=[f"{type(e).__name__}: {e}"]).to_json()
 
 
 # --- time scale --------------------------------------------------------------------------
@@ -196,12 +268,23 @@ def scale_time(plan: Plan, profiles: dict[str, Profile], k: float) -> tuple[Plan
 # --- the run -----------------------------------------------------------------------------
 
 
-def run_demo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def run_demo(args: argparse.Namespace, work: Path,
+             show: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The whole demo; ``show`` gets the part before the load (plan, NP, real inference) as soon
+    as it is known, so a reader sees it while the load runs."""
     import uvloop
 
     from .loadgen import run_load
 
-    plan, profiles, origin = choose_plan(args, work)
+    plan, profiles, origin, example = choose_plan(args, work)
+    head: dict[str, Any] = {"plan": origin, "algo": plan.algo, "cluster": plan.cluster.to_json(),
+                            "slo_ms": {m.model: m.slo_us / 1000 for m in plan.models},
+                            "pipelines": pipeline_rows(plan), "comparison": None, "real_inference": None}
+    if example:
+        head["comparison"] = compare_with_np(plan, profiles)
+        head["real_inference"] = real_inference(plan, work)
+    if show is not None:
+        show(head)
     offered = args.load_factor * sum(m.throughput_rps for m in plan.models)
     k = pick_time_scale(plan, args.time_scale, args.min_slo_ms, offered, args.max_rate)
     plan, profiles = scale_time(plan, profiles, k)
@@ -241,7 +324,7 @@ def run_demo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         st = after["models"][m["model"]]
         models.append({**m, "mean_batch": st["mean_batch"]})
     return {
-        "plan": origin, "time_scale": k, "load_factor": args.load_factor, "arrivals": args.arrivals,
+        **head, "time_scale": k, "load_factor": args.load_factor, "arrivals": args.arrivals,
         "duration_s": args.duration, "vgpus": n, "executor_processes": len(cluster.groups),
         "startup_s": round(ready_s, 2), "models": models, "total": result["total"], "gpu_classes": util,
         "scheduler": {"overhead_us": after["overhead_us"], "wake_late_us": after["wake_late_us"],
@@ -249,10 +332,45 @@ def run_demo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
 
 
-def format_demo(r: dict[str, Any]) -> str:
-    lines = [f"plan: {r['plan']}",
-             f"{r['vgpus']} emulated vGPUs in {r['executor_processes']} executor processes; time scale "
-             f"x{r['time_scale']:g} (latencies and SLOs x{r['time_scale']:g}, rates /{r['time_scale']:g}); "
+def _cluster_line(c: dict[str, Any]) -> str:
+    def one(name: str, g: dict[str, Any]) -> str:
+        sp = g["splits"]
+        splits = f", vGPU splits {sp[0]}-{sp[-1]}" if len(sp) > 1 else ""
+        return f"{g['count']} {name} ({g['per_server']}/server{splits})"
+
+    return ", ".join(one(n, g) for n, g in c["gpus"].items()) + f", {c['nic_gbps']:g} Gb/s NIC"
+
+
+def format_head(r: dict[str, Any]) -> str:
+    """The plan, PPipe against NP, and the real-inference check: what the demo shows first."""
+    slo = ", ".join(f"{m} {v:.2f} ms" for m, v in r["slo_ms"].items())
+    lines = [f"plan: {r['plan']} ({r['algo'] or 'plan'})",
+             f"cluster: {_cluster_line(r['cluster'])}; SLO {slo}", ""]
+    rows = [("model", "pipeline", "bs", "partitions: [blocks) GPU/split × vGPUs", "rps")]
+    for p in r["pipelines"]:
+        parts = " → ".join(f"[{q['blocks'][0]},{q['blocks'][1]}) {q['gpu']}"
+                           + (f"/{q['vgpu_split']}" if q["vgpu_split"] > 1 else "") + f" ×{q['num_vgpus']}"
+                           for q in p["partitions"])
+        rows.append((p["model"][:34], str(p["pipeline"]), str(p["batch_size"]), parts,
+                     f"{p['throughput_rps']:.0f}"))
+    lines += _table(rows, left=(0, 3))
+    c = r.get("comparison")
+    if c:
+        lines += ["", f"{'PPipe' if c['algo'] == 'ppipe' else c['algo']} {c['plan_rps']:.0f} rps vs NP "
+                      f"{c['np_rps']:.0f} rps (×{c['gain']:.2f}) on this cluster and SLO (NP: the whole "
+                      "model on whole GPUs)"]
+    q = r.get("real_inference")
+    if q:
+        from ..realcheck import RealCheck, format_check
+
+        lines += ["", format_check(RealCheck.from_json(q))]
+    return "\n".join(lines)
+
+
+def format_run(r: dict[str, Any]) -> str:
+    """The emulated run under load: attainment, latency, utilization."""
+    lines = [f"emulated cluster at scale: the plan's {r['vgpus']} vGPUs emulated in {r['executor_processes']} "
+             f"executor processes; time scale x{r['time_scale']:g} (latencies and SLOs x{r['time_scale']:g}, rates /{r['time_scale']:g}); "
              f"load factor {r['load_factor']}, {r['arrivals']} arrivals, {r['duration_s']:g} s",
              "sockets: ipc:// on this host only, CURVE off (a deployment beyond loopback needs "
              "[security] curve = true; see `ppiped keys`)", ""]
@@ -279,9 +397,13 @@ def format_demo(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def format_demo(r: dict[str, Any]) -> str:
+    return format_head(r) + "\n\n" + format_run(r)
+
+
+def _table(rows: list[tuple[str, ...]], left: tuple[int, ...] = (0,)) -> list[str]:
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = ["  ".join(c.ljust(wi) if i == 0 else c.rjust(wi) for i, (c, wi) in enumerate(zip(r, w, strict=True)))
+    out = ["  ".join(c.ljust(wi) if i in left else c.rjust(wi) for i, (c, wi) in enumerate(zip(r, w, strict=True)))
            for r in rows]
     out.insert(1, "  ".join("-" * wi for wi in w))
     return out
@@ -309,20 +431,26 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--vgpus and --slo-ms are for --app")
     if args.time_scale != "auto":
         pick_time_scale(None, args.time_scale, args.min_slo_ms)  # validate before any planning
-    body = run_demo
-    if args.app:
-        from .demo_app import run_app_demo
 
-        body = run_app_demo
+    def show(head: dict[str, Any]) -> None:
+        print(format_head(head) + "\n", flush=True)
+
+    def body(work: Path) -> dict[str, Any]:
+        if args.app:
+            from .demo_app import run_app_demo
+
+            return run_app_demo(args, work)
+        return run_demo(args, work, None if args.json else show)
+
     if args.keep:
         work = Path(args.keep).resolve()
         work.mkdir(parents=True, exist_ok=True)
         if len(str(work)) > 60:
             raise InputError(f"--keep {work}: path too long for ipc sockets (60 characters at most)")
-        r = body(args, work)
+        r = body(work)
     else:
         with short_tmpdir("ppiped-demo-") as d:
-            r = body(args, Path(d))
+            r = body(Path(d))
     if args.json:
         print(json.dumps(r))
     elif args.app:
@@ -330,8 +458,9 @@ def run(args: argparse.Namespace) -> int:
 
         print(format_app_demo(r))
     else:
-        print(format_demo(r))
+        print(format_run(r))
     sys.stdout.flush()
     if args.app:
         return 0 if r["queries"]["no_reply"] == 0 and r["check"]["equal"] else 1
-    return 0 if r["total"]["no_reply"] == 0 else 1
+    real = r["real_inference"]
+    return 0 if r["total"]["no_reply"] == 0 and (real is None or real["equal"]) else 1

@@ -9,6 +9,7 @@ connections make every cut inside a residual block invalid, which exercises the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -156,3 +157,17 @@ def make_example(out_dir, gpus: str = "V100:1-4,P4:1", blocks: int = 10, max_bat
             prof, path = profile_model(req)
     assert prof is not None and path is not None
     return prof, path, out_dir / EXAMPLE_NAME / "model.onnx"
+
+
+def example_with_model(directory: str | Path, scratch: str | Path) -> Path:
+    """The example's profile path in ``directory`` when the model file it names is there, else
+    the same files built in ``scratch``: model files are not committed, so a fresh clone has
+    only the profile, and serving real inference needs the model."""
+    import json
+
+    path = Path(directory) / f"{EXAMPLE_NAME}.json"
+    if path.is_file():
+        onnx_rel = json.loads(path.read_text()).get("onnx")
+        if onnx_rel and (path.parent / onnx_rel).is_file():
+            return path
+    return make_example(Path(scratch))[1]

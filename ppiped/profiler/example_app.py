@@ -42,7 +42,7 @@ FANOUT_FRAMES = 32  # frames measured for the app's fan-out
 SLO_SCALE = 5.0  # the app's SLO: this many times the stages' whole-model latencies, plus glue
 APP_GLUE_MS = 2.0  # crop() takes ~0.4 ms (median), ~1 ms (p90) on a busy 2-core VM, plus IPC
 CLUSTER_TOML = """\
-# The small cluster the example app is planned on: two V100s beside six P4s (as plans/example).
+# The small cluster the example app is planned on: two V100s beside six P4s.
 nic_gbps = 10
 
 [gpus.V100]
