@@ -107,7 +107,7 @@ async def run_load(endpoint: str, rates: dict[str, float], duration_s: float, *,
         frames = {}
         for m in models:
             n = frame_bytes if frame_bytes is not None else (served[m].get("input_bytes") or 1024)
-            frames[m] = [_frame(rng, n, served[m].get("input", {}).get("dtype")) for _ in range(64)]
+            frames[m] = [_frame(rng, n, (served[m].get("input") or {}).get("dtype")) for _ in range(64)]
         per_req_slo = {m: (slo_ms or {}).get(m) for m in models}
         sent_at: dict[int, tuple[ModelLoad, int, bytes]] = {}
         samples: list[tuple[int, int]] = []
