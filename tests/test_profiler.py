@@ -291,6 +291,10 @@ def test_profile_ort_with_concurrent_splits(tiny, tmp_path):
     assert [w["clock"] for w in src["splits"]["2"]["workers"]] == ["cpu", "cpu"]
     assert src["splits"]["1"]["workers"][0]["clock"] == "wall"
     assert src["splits"]["2"]["sharing"] == "cpu threads"
+    # Rounds' dispersion per block and batch size, summarised for the GPU type.
+    assert [len(r) for r in src["splits"]["2"]["workers"][0]["dispersion"]] == [2, 2, 2]
+    assert [len(r) for r in src["splits"]["1"]["workers"][0]["dispersion"]] == [2, 2, 2, 1]  # + whole
+    assert src["timing_dispersion"]["timings"] == 2 * 3 * 2 + 3 * 2 + 1
     assert p.extra["partitioning"]["cost_source"].startswith("ort")
     assert (tmp_path / "tiny" / "partition_00_02.onnx").exists()
 

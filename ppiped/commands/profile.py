@@ -60,6 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replace", action="store_true", help="start a new profile instead of merging")
     p.add_argument("--no-verify", action="store_true",
                    help="skip running the blocks in sequence against the whole model (ort)")
+    p.add_argument("--calibration", type=Path, metavar="PATH",
+                   help="input for that check: a .npy batch [B, *input] or sample, or a folder of "
+                        ".npy files and/or images (resized to the input, RGB, scaled to [0,1]; other "
+                        "normalisations: pass .npy). Default: random uniform [0,1)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -75,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         slo_reference=args.slo_reference,
         partitions=parse_ranges(args.partitions) if args.partitions else (),
         progress=not args.quiet and sys.stderr.isatty(), verify=not args.no_verify,
+        calibration=args.calibration,
     )
     t0 = time.perf_counter()
     prof, path = profile_model(req)
@@ -97,4 +102,8 @@ def summary(prof, gpu: str) -> str:
         dev = max_deviation(prof.latency[gpu][1][:, 0])
         lines.append(f"block balance ({gpu}, bs 1, split 1): max deviation from the mean block "
                      f"{100 * dev:.1f}%")
+    eq = prof.extra.get("equivalence") or {}
+    if "passed" in eq:
+        lines.append(f"blocks in sequence vs whole model: max error {eq['max_rel_error']} of an output's "
+                     f"range ({'within' if eq['passed'] else 'ABOVE'} {eq['tolerance']}; {eq['input']})")
     return "\n".join(lines)

@@ -8,7 +8,8 @@ inside, where TensorRT fuses the cast into the neighbouring layer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import onnx
 import onnx.utils
@@ -116,14 +117,55 @@ def blocks_from_extra(extra_blocks: Sequence[dict]) -> list[Block]:
         raise InputError(f"profile field blocks is malformed ({e!r}); re-run ppiped profile") from None
 
 
-def chain_error(whole_path: str, block_paths: Sequence[str], batch: int = 2, seed: int = 0) -> float:
-    """Run the block sub-models in sequence (fp16 at the boundaries) and the whole model with
-    ONNX Runtime on one random input; return max |chain - whole| / max |whole| over the outputs.
+class OutputError:
+    """Running max |chain - whole| and the whole output's min, max and max |.| over batches.
 
-    Relative to the output's largest magnitude, because element-wise relative error is undefined
-    where an output is near zero.
+    The error is relative to the output's range, not its largest magnitude: an output with a
+    large constant offset (logits, a map around 100) would hide a wrong block behind max |whole|,
+    and element-wise relative error is undefined where an output is near zero. NaN propagates.
     """
-    import numpy as np
+
+    def __init__(self) -> None:
+        self.diff = 0.0
+        self.lo = float("inf")
+        self.hi = float("-inf")
+        self.absmax = 0.0
+
+    def add(self, chain: Any, whole: Any) -> None:
+        import numpy as np
+
+        w = np.asarray(whole, dtype=np.float64)
+        c = np.asarray(chain, dtype=np.float64)
+        if c.shape != w.shape:
+            raise InputError(f"the blocks in sequence give shape {list(c.shape)} where the whole model "
+                             f"gives {list(w.shape)}")
+        if w.size == 0:
+            return
+        self.diff = float(np.max([self.diff, np.max(np.abs(c - w))]))
+        self.lo = float(np.min([self.lo, np.min(w)]))
+        self.hi = float(np.max([self.hi, np.max(w)]))
+        self.absmax = float(np.max([self.absmax, np.max(np.abs(w))]))
+
+    def error(self) -> float:
+        """max |diff| / range; / max |whole| for a constant output; the plain diff for all zeros."""
+        scale = self.hi - self.lo
+        if not scale > 0:
+            scale = self.absmax
+        return self.diff / scale if scale > 0 else self.diff
+
+
+def range_relative_error(chain: Any, whole: Any) -> float:
+    """max |chain - whole| / (max - min of whole): the equivalence metric for one output."""
+    e = OutputError()
+    e.add(chain, whole)
+    return e.error()
+
+
+def chain_errors(whole_path: str, block_paths: Sequence[str],
+                 batches: Iterable[Any]) -> tuple[dict[str, float], int]:
+    """Run the block sub-models in sequence (fp16 at the boundaries) and the whole model with
+    ONNX Runtime on each input batch; the error per whole-model output name (see
+    :class:`OutputError`) and the number of samples run."""
     import onnxruntime as ort
 
     def session(p: str) -> ort.InferenceSession:
@@ -132,19 +174,33 @@ def chain_error(whole_path: str, block_paths: Sequence[str], batch: int = 2, see
         return ort.InferenceSession(p, so, providers=["CPUExecutionProvider"])
 
     whole = session(whole_path)
-    inp = whole.get_inputs()[0]
+    blocks = [session(p) for p in block_paths]
+    name = whole.get_inputs()[0].name
+    names = [o.name for o in whole.get_outputs()]
+    errs = {n: OutputError() for n in names}
+    count = 0
+    for x in batches:
+        ref = whole.run(None, {name: x})
+        outs: list = [x]
+        for s in blocks:  # a block's inputs are the previous block's outputs, in order
+            outs = s.run(None, {i.name: o for i, o in zip(s.get_inputs(), outs, strict=True)})
+        for n, r, o in zip(names, ref, outs, strict=True):
+            errs[n].add(o, r)
+        count += len(x)
+    return {n: e.error() for n, e in errs.items()}, count
+
+
+def chain_error(whole_path: str, block_paths: Sequence[str], batch: int = 2, seed: int = 0) -> float:
+    """:func:`chain_errors` on one random batch, uniform in [0, 1) like an image; the largest
+    error over the outputs (NaN if any is NaN)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    inp = ort.InferenceSession(whole_path, providers=["CPUExecutionProvider"]).get_inputs()[0]
     shape = [batch, *[d if isinstance(d, int) else 1 for d in inp.shape[1:]]]
-    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-    ref = whole.run(None, {inp.name: x})
-    outs: list = [x]
-    for p in block_paths:  # a block's inputs are the previous block's outputs, in order
-        s = session(p)
-        outs = s.run(None, {i.name: o for i, o in zip(s.get_inputs(), outs, strict=True)})
-    err = 0.0
-    for r, o in zip(ref, outs, strict=True):
-        scale = float(np.max(np.abs(r))) or 1.0
-        err = max(err, float(np.max(np.abs(o.astype(np.float64) - r))) / scale)
-    return err
+    x = np.random.default_rng(seed).random(shape).astype(np.float32)
+    errs, _ = chain_errors(whole_path, block_paths, [x])
+    return float(np.max(list(errs.values())))
 
 
 def partition_from_profile(profile_path: str, start: int, end: int,

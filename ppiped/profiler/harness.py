@@ -5,7 +5,12 @@ v copies running it together: the figure then includes their interference (share
 bandwidth, caches, the MPS scheduler). On NVIDIA GPUs each process gets
 ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / v`` under a private MPS daemon; on CPU (``ort``)
 each gets 1/v of the cores. GPU work always runs in child processes so that the parent never
-holds a CUDA context that would bypass MPS.
+holds a CUDA context that would bypass MPS. A one-thread ORT copy in a child process is pinned to
+a core of its own (the OS cannot migrate it mid-round); the parent, which may be a test runner or
+a server, is never pinned.
+
+Every figure is the median over timed rounds; their dispersion (IQR / median) is recorded per
+block and batch size, and the profile warns when it exceeds 10 %.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import queue as queue_mod
 import shutil
 import subprocess
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Sequence
@@ -26,9 +32,10 @@ import numpy as np
 
 from ..errors import InputError
 from ..profiles import ProfileError
-from .backends import GPU_BACKENDS, Timing, make_runtime, measure_us
+from .backends import GPU_BACKENDS, Timing, make_runtime, measure
 
 BARRIER_TIMEOUT_S = 1800.0
+DISPERSION_WARN = 0.10  # IQR / median of the rounds above which a figure is called unsteady
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class SplitResult:
     latency_us: list[list[float]]  # per job, per batch size; mean over the concurrent copies
     spread: float  # largest relative difference between copies (how unevenly they shared)
     info: dict[str, Any] = field(default_factory=dict)
+    dispersion: list[list[float]] = field(default_factory=list)  # per job, per bs; worst copy
 
 
 class Mps:
@@ -86,28 +94,45 @@ class Mps:
         self.dir = None
 
 
+def _pin(rank: int, cores: Sequence[int] | None, rt: Any) -> int | None:
+    """Pin this (child) process to one core when its runtime uses one thread."""
+    if not cores or getattr(rt, "threads", None) != 1 or not hasattr(os, "sched_setaffinity"):
+        return None
+    core = cores[rank % len(cores)]
+    try:
+        os.sched_setaffinity(0, {core})
+    except OSError:
+        return None
+    return core
+
+
 def _worker(rank: int, backend: str, opts: dict, split: int, jobs: Sequence[Job], timing: Timing,
-            env: dict[str, str], barrier, out_q) -> None:
+            env: dict[str, str], barrier, out_q, cores: Sequence[int] | None = None) -> None:
     os.environ.update(env)
     try:
         rt = make_runtime(backend, split=split, **opts)
+        core = _pin(rank, cores, rt)
         res: list[list[float]] = []
+        disp: list[list[float]] = []
         for job in jobs:
             if barrier is not None and rank != 0:
                 barrier.wait(BARRIER_TIMEOUT_S)  # copy 0 builds/caches the engine first
             sess = rt.open(job.path, max(job.batch_sizes))
             if barrier is not None and rank == 0:
                 barrier.wait(BARRIER_TIMEOUT_S)
-            row = []
+            row, drow = [], []
             for bs in job.batch_sizes:
                 if barrier is not None:
                     barrier.wait(BARRIER_TIMEOUT_S)
-                row.append(measure_us(sess, bs, timing))
+                m = measure(sess, bs, timing)
+                row.append(m.median_us)
+                drow.append(round(m.dispersion, 4))
                 if rank == 0:
                     out_q.put(("tick", rank, None))
             sess.close()
             res.append(row)
-        out_q.put(("done", rank, (res, rt.info())))
+            disp.append(drow)
+        out_q.put(("done", rank, (res, {**rt.info(), "pinned_core": core, "dispersion": disp})))
     except BaseException as e:  # report everything, the parent decides
         if barrier is not None:
             barrier.abort()
@@ -126,8 +151,9 @@ def run_split(backend: str, opts: dict, split: int, jobs: Sequence[Job], timing:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     barrier = ctx.Barrier(copies) if copies > 1 else None
-    procs = [ctx.Process(target=_worker, args=(r, backend, opts, split, list(jobs), timing, env, barrier, q),
-                         daemon=True) for r in range(copies)]
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    procs = [ctx.Process(target=_worker, args=(r, backend, opts, split, list(jobs), timing, env, barrier, q,
+                                               cores), daemon=True) for r in range(copies)]
     for p in procs:
         p.start()
     try:
@@ -185,4 +211,37 @@ def _collect(q, copies: int, procs, tick) -> SplitResult:
         if copies > 1:
             spread = max(spread, float(np.max((per.max(axis=0) - per.min(axis=0)) / mean)))
     infos = [results[r][1] for r in range(copies)]
-    return SplitResult(lat, spread, {"copies": copies, "workers": infos})
+    disp = [np.max([i["dispersion"][j] for i in infos], axis=0).tolist() for j in range(jobs)]
+    return SplitResult(lat, spread, {"copies": copies, "workers": infos}, disp)
+
+
+def timing_dispersion(splits: dict[str, dict[str, Any]], blocks: int, gpu: str | None = None,
+                      warn: bool = True) -> dict[str, Any]:
+    """Summary of the per-(block, batch) dispersion the copies recorded (``splits`` as the
+    profile's ``latency_source[gpu]['splits']``; job ``blocks`` is the whole model), with one
+    warning on stderr when some exceed :data:`DISPERSION_WARN`."""
+    figs: list[tuple[float, str, str, int]] = []
+    for v, sp in splits.items():
+        for w in sp.get("workers", []):
+            for j, row in enumerate(w.get("dispersion", [])):
+                what = f"block {j}" if j < blocks else "whole model"
+                figs.extend((float(d), v, what, bs) for bs, d in enumerate(row, start=1))
+    out: dict[str, Any] = {
+        "metric": "IQR / median of the timed rounds, per block, batch size and copy "
+                  "(splits[v].workers[k].dispersion[block][batch_size-1])",
+        "threshold": DISPERSION_WARN, "timings": len(figs),
+    }
+    if not figs:
+        return out
+    values = np.array([f[0] for f in figs])
+    worst = max(figs)
+    over = int(np.sum(values > DISPERSION_WARN))
+    out.update({"median": round(float(np.median(values)), 4), "max": round(worst[0], 4), "over_threshold": over,
+                "worst": {"split": int(worst[1]), "job": worst[2], "batch_size": worst[3],
+                          "dispersion": round(worst[0], 4)}})
+    if warn and over:
+        print(f"ppiped profile: warning: {over} of {len(figs)} timings{f' on {gpu}' if gpu else ''} vary by "
+              f"more than {DISPERSION_WARN:.0%} between rounds (IQR / median); worst: {worst[2]}, batch "
+              f"size {worst[3]}, split {worst[1]}: {worst[0]:.1%}. Other load on the machine? More "
+              "--rounds or a quieter machine give steadier figures", file=sys.stderr)
+    return out

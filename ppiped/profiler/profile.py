@@ -31,10 +31,10 @@ from ..profiles import (
 )
 from .backends import BACKENDS, GPU_BACKENDS, Timing
 from .backends import estimate as est
-from .export import Exporter, blocks_from_extra, chain_error
+from .export import Exporter, blocks_from_extra
 from .gpus import GPUS, gpu_spec
 from .graph import DEFAULT_MAX_CUT_TENSORS, ModelGraph, analyze, load_onnx
-from .harness import Job, Mps, run_split
+from .harness import Job, Mps, run_split, timing_dispersion
 from .partition import Block, block_costs, choose_cuts, max_deviation
 
 EQUIVALENCE_TOLERANCE = 1e-2
@@ -75,6 +75,16 @@ class ProfileRequest:
     partitions: Sequence[tuple[int, int]] = ()
     progress: bool = True
     verify: bool = True  # run the block chain against the whole model with ONNX Runtime
+    calibration: Path | None = None  # .npy file or folder of .npy/images for that check
+
+    def __post_init__(self) -> None:
+        if self.calibration is None:
+            return
+        self.calibration = Path(self.calibration)
+        if not self.verify:
+            raise InputError("--calibration feeds the equivalence check, which --no-verify skips")
+        if not self.calibration.exists():
+            raise InputError(f"calibration input {self.calibration} does not exist")
 
 
 def parse_batch_sizes(text: str) -> int:
@@ -357,7 +367,8 @@ def _measure_latencies(req: ProfileRequest, graph: ModelGraph, blocks: Sequence[
         res = run_split(req.backend, _backend_opts(req), 1, [Job(whole_path, (1,))], req.timing, 1)
         whole = res.latency_us[0][0]
     source = {"backend": req.backend, "measured": True, "what_if": False, "splits": per_split,
-              "timing": vars(req.timing)}
+              "timing": vars(req.timing),
+              "timing_dispersion": timing_dispersion(per_split, len(blocks), req.gpu)}
     return lat, whole, source
 
 
@@ -406,13 +417,17 @@ def profile_model(req: ProfileRequest) -> tuple[Profile, Path]:
         onnx.save(exporter.partition(i, j), str(model_dir / f"partition_{i:02d}_{j:02d}.onnx"))
     equivalence = None
     if req.verify:
-        err = chain_error(str(whole_path), [str(f) for f in files])
-        equivalence = {"max_rel_error": float(f"{err:.3g}"), "batch": 2, "backend": "ort",
-                       "note": "blocks in sequence with fp16 boundaries vs the whole model; "
-                               "max |diff| / max |whole output|"}
-        if err > EQUIVALENCE_TOLERANCE:
-            print(f"ppiped profile: warning: the blocks in sequence differ from the whole model by "
-                  f"{err:.3g} (relative), above {EQUIVALENCE_TOLERANCE}", file=sys.stderr)
+        from .calibration import ModelInput, check_equivalence
+
+        inp = ModelInput(graph.input_name, tuple(graph.input_shape),
+                         onnx.helper.tensor_dtype_to_np_dtype(graph.dtypes.get(graph.input_name, 1)))
+        equivalence = check_equivalence(whole_path, files, inp, req.calibration, req.max_batch,
+                                        EQUIVALENCE_TOLERANCE)
+        if not equivalence["passed"]:
+            err = equivalence["max_rel_error"]
+            print(f"ppiped profile: warning: the blocks in sequence differ from the whole model on "
+                  f"output {equivalence['worst_output']!r} by {'NaN' if err is None else err} of its "
+                  f"range, above {EQUIVALENCE_TOLERANCE} ({equivalence['input']})", file=sys.stderr)
     if req.backend == "estimate":
         lat, whole, source = _estimate_latencies(req, graph, blocks)
     else:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
 
 from ...errors import InputError
 
@@ -48,7 +51,22 @@ class Timing:
     rounds: int = 7
 
 
-def measure_us(session: Session, bs: int, timing: Timing) -> float:
+class Measurement(NamedTuple):
+    median_us: float
+    dispersion: float  # interquartile range / median of the rounds
+
+
+def dispersion(samples: Sequence[float]) -> float:
+    """IQR / median: how far rounds disagree, robust to the odd round disturbed by other work
+    (a max-min or standard-deviation figure would be that round's); 0 for fewer than 2 rounds."""
+    if len(samples) < 2:
+        return 0.0
+    q1, med, q3 = np.percentile(np.asarray(samples, dtype=np.float64), [25, 50, 75])
+    return float((q3 - q1) / med) if med > 0 else 0.0
+
+
+def measure(session: Session, bs: int, timing: Timing) -> Measurement:
+    """Warm up, then time ``timing.rounds`` rounds: their median per inference and dispersion."""
     t0 = time.perf_counter()
     per_run = session.timed(bs, 1)
     calls = 1
@@ -57,7 +75,11 @@ def measure_us(session: Session, bs: int, timing: Timing) -> float:
         calls += 1
     n = max(1, int(timing.round_s / max(per_run, 1e-7)))
     samples = [session.timed(bs, n) / n for _ in range(max(1, timing.rounds))]
-    return statistics.median(samples) * 1e6
+    return Measurement(statistics.median(samples) * 1e6, dispersion(samples))
+
+
+def measure_us(session: Session, bs: int, timing: Timing) -> float:
+    return measure(session, bs, timing).median_us
 
 
 def make_runtime(name: str, split: int = 1, **opts: Any) -> Runtime:
