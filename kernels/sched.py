@@ -93,6 +93,7 @@ from .state import (
     X_M_HI_UNTIL,
     X_M_HOLD,
     X_M_LAST,
+    X_M_PARD,
     X_M_PGAP,
     X_M_ROOM,
     X_MODEL_PIPE0,
@@ -684,7 +685,7 @@ def _worth_waiting(A, F, m, p, n, b):
 def _ppipe_queue(A, F, m, now):
     """PPipe Algorithm 1 for model ``m``'s queue, until it is empty or waiting.
 
-    With PARD (``H_PARD``): when a full batch served now would end after the oldest deadline
+    With PARD (``H_PARD``, for the models ``X_M_PARD`` marks): when a full batch served now would end after the oldest deadline
     and the queue holds more requests than it takes (or as many, while the model was overloaded
     within its hold time: a queue too short for a full batch shrinks it as PPipe does), the batch
     stays full and every request that even it cannot serve in time is dropped
@@ -696,7 +697,7 @@ def _ppipe_queue(A, F, m, now):
     batch could serve.
     """
     early = A[H_EARLY] != 0
-    pard = A[H_PARD] != 0
+    pard = A[H_PARD] != 0 and A[off(A, X_M_PARD) + m] != 0
     o_hbf = off(A, X_Q_HBF)
     min_wait = F[F_MIN_WAIT]
     guard = F[F_GUARD]
@@ -1333,7 +1334,7 @@ def stage_estimate(A, F, m, n, now):
             best = x
     o_qs = off(A, X_Q_SIZE)
     q = A[o_qs + m] + A[o_qs + _hiq(A, m)]
-    if A[H_PARD] != 0 and F[off(A, X_Q_HBF) + m] > now:
+    if A[H_PARD] != 0 and A[off(A, X_M_PARD) + m] != 0 and F[off(A, X_Q_HBF) + m] > now:
         # under pressure PARD books m's requests its room ahead of their deadlines
         best += F[off(A, X_M_ROOM) + m]
     return best + q * gap

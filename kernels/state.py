@@ -211,6 +211,7 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("v_rfin", "f", ("V", "RK")),
     ("m_room", "f", ("M",)),
     ("m_pgap", "f", ("M",)),
+    ("m_pard", "i", ("M",)),
 )
 # section indices, in SECTIONS order (tests check they agree)
 X_V_SERVER = 0
@@ -302,6 +303,7 @@ CLASS_HOLD_SLOS = 20.0  # the high class stays active this many SLOs after its l
 X_V_RFIN = 85  # per vGPU ring (as V_RH): the booked end of the path if that use was its last hop, else -inf
 X_M_ROOM = 86  # per model: the learned room, a high quantile of how much later than booked paths end
 X_M_PGAP = 87  # per model: the arrival gap at its planned rate
+X_M_PARD = 88  # per model: 1 where PARD's proactive drops and high-budget-first apply (H_PARD set)
 ROOM_STEP = 0.01  # learning step of the room, as a share of the SLO
 RK = 16
 MARGIN_WARM = 32

@@ -106,7 +106,9 @@ def run_lockstep(seed: int, policy: str = "ppipe", n_req: int = 60, fail_vgpu: b
     sch = Scheduler(plan, profiles, policy, **(sched_kw or {}))
     lay = sch.layout
     ref = RefScheduler(lay, "reactive" if policy == "reactive" else "ppipe",
-                       early_drop=policy == "ppipe-early-drop", pard=policy == "pard",
+                       early_drop=policy == "ppipe-early-drop",
+                       pard=[policy == "pard" and m not in (sched_kw or {}).get("pard_exempt", ())
+                             for m in lay.models],
                        noise_z=(sched_kw or {}).get("noise_z", 0.0)) if check_ref else None
     M = len(lay.models)
     ev: list = []
@@ -258,6 +260,29 @@ def test_early_drop_matches_reference(seed):
 @given(st.integers(0, 10**6))
 def test_pard_matches_reference(seed):
     run_lockstep(seed, "pard")
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 10**6))
+def test_pard_exempt_models_match_reference(seed):
+    """A model exempt from PARD (an app's later stage) batches as PPipe does beside PARD ones."""
+    plan, profiles = make_case(seed)
+    run_lockstep(seed, "pard", sched_kw={"pard_exempt": [plan.models[0].model]})
+
+
+def test_pard_is_off_at_later_stages_of_apps():
+    from ppiped.query.app import app_from_json
+
+    plan, profiles = make_case(3)
+    if len(plan.models) < 2:
+        pytest.skip("the case has one model")
+    a, b = plan.models[0].model, plan.models[1].model
+    plan.apps = [app_from_json({"name": "q", "slo_ms": 1e3, "stages": [
+        {"name": "first", "model": a}, {"name": "second", "model": b, "after": "first", "fanout": 2.0,
+         "glue": "ppiped.query.example_glue:crop"}]})]
+    sch = Scheduler(plan, profiles, "pard")
+    flags = dict(zip(sch.layout.models, sch._arena.view("m_pard"), strict=True))
+    assert flags[a] == 1 and flags[b] == 0
 
 
 @settings(max_examples=20, deadline=None)

@@ -9,6 +9,7 @@ property tests run both on the same inputs and demand the same decisions.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .layout import Layout
@@ -102,7 +103,7 @@ class RefScheduler:
     def __init__(self, layout: Layout, policy: str = "ppipe", min_wait_us: float = 1.0,
                  wait_guard_us: float = 0.0, early_drop: bool = False, margin_quantile: float = 0.9,
                  margin_quantile_hi: float = 0.99, margin_step: float = 0.02, margin_max: float = 4.0,
-                 work_conserving: bool = True, pard: bool = False, margin_prior: float = 1.25,
+                 work_conserving: bool = True, pard: bool | Sequence[bool] = False, margin_prior: float = 1.25,
                  class_room: float = 0.25, pressure_room: float = 0.2, noise_z: float = 0.0):
         self.L = layout
         self.policy = policy
@@ -121,7 +122,8 @@ class RefScheduler:
         self.recent = [[(-1, 0.0, -INF)] * 16 for _ in range(layout.num_vgpus)]
         self.mstep, self.mmax = margin_step, margin_max
         self.pull = work_conserving
-        self.pard = pard
+        M = len(layout.models)
+        self.pard = [bool(pard)] * M if isinstance(pard, bool) else [bool(x) for x in pard]
         self.last = [-INF] * len(layout.models)  # latest arrival per model
         self.gap = [float(g) for g in layout.planned_gap_us()]  # mean arrival gap per model (EWMA)
         self.pgap = list(self.gap)  # at the planned rate
@@ -251,7 +253,7 @@ class RefScheduler:
         while q:
             n = len(q)
             best = None
-            shift = self.proom[m] if self.pard and self.hbf_until[m] > now else 0.0
+            shift = self.proom[m] if self.pard[m] and self.hbf_until[m] > now else 0.0
             if shift > 0 and self.hi_until[m] > now:
                 shift = max(shift - self.room * float(self.L.slo_us[m]), 0.0)
             dh = q[0].deadline - shift
@@ -268,7 +270,7 @@ class RefScheduler:
             B = int(L.pipe_bs[p])
             chosen, hops, fmin = 0, hops_b, f_b
             pressed = self.hbf_until[m] > now
-            keep_full = self.pard and (n > B or (pressed and (n == B or self.gap[m] < self.pgap[m])))
+            keep_full = self.pard[m] and (n > B or (pressed and (n == B or self.gap[m] < self.pgap[m])))
             if f_b <= dh:
                 chosen = B
             elif not self.early and not keep_full:
@@ -331,7 +333,7 @@ class RefScheduler:
                 self.recent[v][(h >> 20) % 16] = (h, prof, s + lat if v == hops[-1][0] else -INF)
                 d.reservations.append((v, 0, s, s + lat))
                 prev_s = sv
-            hbf = self.pard and self.hbf_until[m] > now
+            hbf = self.pard[m] and self.hbf_until[m] > now
             high = [r for r in q if r.prio > 0][:take]
             low = [r for r in q if r.prio <= 0]
             low = low[::-1] if hbf else low

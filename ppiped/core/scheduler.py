@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +25,9 @@ class Policy:
     deadline first) is a fixed choice.
     ``pard``: PARD's proactive dropping on the whole path's estimate when a full batch cannot
     meet the oldest deadline under load, and high-budget-first (the DEPQ's max end) for the
-    model's SLO after each such drop (delayed transition back to earliest-deadline-first).
+    model's SLO after each such drop (delayed transition back to earliest-deadline-first); not
+    at an app's later stages (``Scheduler(pard_exempt=...)``, by default every stage with a
+    parent), whose requests' queries already spent GPU time upstream.
     """
 
     name: str
@@ -162,7 +164,7 @@ class Scheduler:
                  margin_quantile: float = 0.9, margin_quantile_hi: float = 0.99, margin_step: float = 0.02,
                  margin_max: float = 4.0, margin_prior: float = 1.25, class_room: float = 0.25,
                  pressure_room: float = 0.2, noise_z: float = 0.0,
-                 work_conserving: bool = True,
+                 work_conserving: bool = True, pard_exempt: Iterable[str] | None = None,
                  table_capacity: int = 32, queue_capacity: int = 256, request_slots: int = 1024):
         if isinstance(policy, str):
             if policy not in POLICIES:
@@ -185,6 +187,11 @@ class Scheduler:
         self.plan = plan
         self.policy = policy
         self.layout = lay = layout if layout is not None else Layout.from_plan(plan, profiles)
+        # PARD drops proactively where nothing has been spent on a request yet: a later stage of
+        # an app holds requests whose query already used GPU time upstream, and dropping one
+        # wastes it (the invalid rate), so such stages keep PPipe's earliest-deadline batching
+        self.pard_exempt = set(pard_exempt) if pard_exempt is not None else {
+            s.model for app in getattr(plan, "apps", None) or () for s in app.stages if s.parent >= 0}
         if lay.num_resources >= 1 << S.HANDLE_SHIFT:
             raise ValueError(f"{lay.num_resources} resources: at most {1 << S.HANDLE_SHIFT} fit in a handle")
         M, P = len(lay.models), lay.num_pools
@@ -234,6 +241,7 @@ class Scheduler:
         a.view("m_room")[:] = 0.5 * pressure_room * lay.slo_us
         a.view("m_hold")[:] = lay.slo_us
         a.A[S.H_PARD] = int(policy.pard)
+        a.view("m_pard")[:] = [int(m not in self.pard_exempt) for m in lay.models]
         a.A[S.H_PULL] = int(work_conserving)
         a.F[S.F_LAST_NOW] = -np.inf
         a.F[S.F_WAKE] = np.inf
