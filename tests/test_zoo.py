@@ -46,6 +46,22 @@ def _save(d: Path, name: str) -> Path:
     return path
 
 
+def _scenes(n: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Image-like calibration frames: smooth gradients with bright rectangles (text lines,
+    objects) on them, in [0, 1]; what a detector's output responds to, unlike noise."""
+    rng = np.random.default_rng(11)
+    c, h, w = shape
+    yy, xx = np.mgrid[0:h, 0:w] / max(h, w)
+    out = np.empty((n, c, h, w), dtype=np.float32)
+    for i in range(n):
+        img = 0.3 + 0.3 * (np.cos(3 * xx + i) * np.sin(2 * yy - i))
+        for _ in range(4):
+            y0, x0 = rng.integers(0, h - h // 4), rng.integers(0, w - w // 4)
+            img[y0:y0 + h // 6 + 1, x0:x0 + w // 3 + 1] = rng.uniform(0.7, 1.0)
+        out[i] = np.clip(img, 0, 1)[None] * rng.uniform(0.8, 1.0, (c, 1, 1))
+    return out
+
+
 def _request(path: Path, out: Path, **kw) -> ProfileRequest:
     opts = {"backend": "ort", "blocks": BLOCKS, "max_batch": 2, "splits": [1], "timing": FAST,
             "threads": 1, "progress": False, **kw}
@@ -69,7 +85,12 @@ def profiled(tmp_path_factory):
     def get(name: str) -> tuple[Profile, Path]:
         if name not in done:
             d = tmp_path_factory.mktemp(name)
-            _, path = profile_model(_request(_save(d, name), d / "profiles", input_shape=_shape(name)))
+            model = _save(d, name)
+            shape = _shape(name) or tuple(int(x.dim_value) for x in
+                                          ZOO[name]().graph.input[0].type.tensor_type.shape.dim[1:])
+            np.save(d / "calibration.npy", _scenes(4, shape))
+            _, path = profile_model(_request(model, d / "profiles", input_shape=_shape(name),
+                                             calibration=d / "calibration.npy"))
             done[name] = (load_profile(path), path)
         return done[name]
 
@@ -118,7 +139,9 @@ def test_profiles_with_ort_and_blocks_match_the_model(name, profiled):
     prof, _ = profiled(name)
     assert prof.num_blocks == BLOCKS and prof.gpus == ["CPU"]
     assert prof.latency["CPU"][1].shape == (BLOCKS, 2)
-    assert prof.extra["equivalence"]["max_rel_error"] <= 1e-2
+    eq = prof.extra["equivalence"]
+    assert eq["max_rel_error"] <= 1e-2 and eq["passed"] and eq["samples"] == 4
+    assert eq["input"].startswith("calibration:")
 
 
 @pytest.mark.parametrize("name", PROFILED)
