@@ -23,7 +23,10 @@ if TYPE_CHECKING:  # onnx is only needed by ort and trt; emulated executors star
 
 ModelSource = tuple[Callable[[], Any], str]  # (loader returning an onnx.ModelProto, name for messages)
 
-Outputs = tuple[list, Any, list[tuple[int, str]]]  # frames, meta, [(input index, reason)] failed
+Outputs = tuple[list, Any, list[tuple[int, str]]]
+
+# Most seconds a vGPU spends warming up batch sizes (each at least once, from 1, until then).
+WARM_UP_BUDGET_S = 2.0  # frames, meta, [(input index, reason)] failed
 
 
 class Backend:
@@ -162,11 +165,16 @@ class OrtBackend(_TensorBackend):
         """One run at every batch size the plan may send, before the vGPU registers: ONNX Runtime
         plans its memory on the first run of a shape, which takes several times the profiled
         latency and would make the first real batch of each size overrun its reservation."""
+        import time
+
         import numpy as np
 
         part = self.part
         assert part is not None
+        t0 = time.monotonic()
         for bs in range(1, max(1, len(self.a.lat_us)) + 1):
+            if bs > 1 and time.monotonic() - t0 > WARM_UP_BUDGET_S:
+                break  # a model this slow hardly notices a first run's overhead
             self.infer({s.name: np.zeros((bs, *s.shape), dtype=s.dtype) for s in part.inputs})
 
     def infer(self, feeds):
