@@ -15,12 +15,11 @@ glue yields no children ends when its last request does. ``finished`` turns true
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .app import App, downstream_us, stage_deadline_us
+from .app import App, downstream_us, planned_yield, stage_deadline_us
 
 Estimate = Callable[[int, int], float]  # (stage index, requests) -> µs until they could be done
 
@@ -194,7 +193,7 @@ class QueryTracker:
         todo = list(self._kids[stage])
         while todo:
             c = todo.pop()
-            n = max(1, math.ceil(stages[c].fanout))
+            n = planned_yield(stages[c].fanout)
             est[c] = float(estimate(c, n * k if stages[c].parent == stage else n))
             todo.extend(self._kids[c])
         return downstream_us(self.app, est)

@@ -22,13 +22,9 @@ import numpy as np
 from ..core.layout import Layout
 from ..errors import InputError
 from ..plan import Plan
-from ..query.app import MODES, App, stage_deadline_us
+from ..query.app import MODES, App, planned_yield, stage_deadline_us
 from . import engine as E
 from .workload import generate
-
-# The downstream estimate plans for a high fan-out, not the mean: Poisson(3) gives 6 or more
-# children one time in ten, and those are the queries whose children come back too late.
-FANOUT_Z = 0.0
 
 
 @dataclass
@@ -179,7 +175,7 @@ def app_workload(plan: Plan, layout: Layout, app_rates: Mapping[str, float], dur
             depth[m] = len(a.path(si))
             if s.parent >= 0:
                 kids[midx[a.stages[s.parent].model]].append(m)
-                m_n[m] = max(1, math.ceil(s.fanout + FANOUT_Z * math.sqrt(s.fanout)))
+                m_n[m] = planned_yield(s.fanout)
                 m_glue[m] = a.glue_us
     m_c0 = np.zeros(M + 1, dtype=np.int64)
     m_c0[1:] = np.cumsum([len(k) for k in kids])
