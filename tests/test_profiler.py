@@ -390,3 +390,17 @@ def test_cpu_splits_that_share_a_core_are_timed_as_a_share_of_its_time(tiny, tmp
                                            max_batch=1, splits=[1, 2], threads=1, timing=FAST, progress=False))
     mode = prof.extra["latency_source"]["CPU"]["splits"]["2"]
     assert mode["sharing"].startswith("time-shared") and mode["copies_running_together"] == 1
+
+
+def test_a_batch_fixed_inside_the_model_is_named(tmp_path):
+    """A Reshape to [1, -1] runs at batch size 2 but mixes the requests: the profiler says so
+    (its output does not follow the batch axis) unless only batch size 1 is profiled."""
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Reshape", ["a", "shp"], ["y0"]),
+             helper.make_node("Relu", ["y0"], ["y"])]
+    g = helper.make_graph(nodes, "fixed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 256])],
+                          [numpy_helper.from_array(np.array([1, -1], dtype=np.int64), "shp")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with pytest.raises(InputError, match=r"output 'y' does not follow the batch axis.*--batch-sizes 1"):
+        analyze(m)
+    assert analyze(m, batched=False).output_names == ["y"]

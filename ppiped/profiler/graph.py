@@ -269,9 +269,10 @@ def _layer_cost(layer: Layer, shapes: dict[str, tuple[int, ...]], consts: set[st
 
 
 def analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None,
-            max_cut_tensors: int = DEFAULT_MAX_CUT_TENSORS) -> ModelGraph:
+            max_cut_tensors: int = DEFAULT_MAX_CUT_TENSORS, batched: bool = True) -> ModelGraph:
     """Fix the batch axis, infer shapes, list layers and the valid cuts (at most
-    ``max_cut_tensors`` tensors crossing) between them."""
+    ``max_cut_tensors`` tensors crossing) between them. ``batched=False`` (only batch size 1
+    is profiled) takes batch-1 shapes as they are, for a model that fixes its batch inside."""
     if not 1 <= max_cut_tensors <= MAX_CUT_TENSORS_LIMIT:
         raise InputError(f"--max-cut-tensors must be 1..{MAX_CUT_TENSORS_LIMIT}, got {max_cut_tensors}")
     _check_ops(model.graph)
@@ -311,10 +312,16 @@ def analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None,
                 unknown.append(t)
     if unknown:
         shapes.update(_shapes_by_running(one, unknown))
-    batched = _batched_tensors(m, shapes, consts)
+    batched, at2 = _batched_tensors(m, shapes, consts, run=batched)
     for o in g.output:
         if o.name not in batched:
             dims = _dims(o)
+            two = at2.get(o.name)
+            if two is not None and shapes.get(o.name, (0,))[:1] == (1,) and two[:1] != (2,):
+                raise InputError(
+                    f"output {o.name!r} does not follow the batch axis (shape {list(shapes[o.name])} at "
+                    f"batch size 1, {list(two)} at 2): the model fixes its batch size inside (e.g. a "
+                    "Reshape to [1, -1]); export it with a dynamic batch axis, or profile with --batch-sizes 1")
             raise InputError(
                 f"output {o.name!r} has no fixed size per request (shape {dims}, its size depends on "
                 "the input's content or could not be determined): ppiped serves outputs of a fixed "
@@ -385,11 +392,13 @@ def _valid_cuts(g: onnx.GraphProto, consts: set[str], shapes: dict[str, tuple[in
     return cuts
 
 
-def _batched_tensors(m: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], consts: set[str]) -> set[str]:
+def _batched_tensors(m: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], consts: set[str],
+                     run: bool = True) -> tuple[set[str], dict[str, tuple[int, ...]]]:
     """Activations with a batch axis and a fixed shape per request: proven by shape inference, or
     else seen so on runs at batch sizes 1 and 2 with different inputs. Only these may cross a cut
     or leave the model (executors size every boundary from its spec). The observed ones get their
-    shapes written into ``m``'s value_info, so every exported piece carries full shapes."""
+    shapes written into ``m``'s value_info, so every exported piece carries full shapes. Also
+    returns the shapes seen at batch size 2 (of the tensors inference left unproven)."""
     g = m.graph
     proven: set[str] = set()
     declared: dict[str, onnx.ValueInfoProto] = {}
@@ -401,8 +410,15 @@ def _batched_tensors(m: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], con
     acts = [t for n in g.node for t in n.output if t and t not in consts]
     rest = [t for t in acts if t not in proven and t in shapes]
     if not rest:
-        return proven
-    seen = _shapes_by_running(m, rest, batch=2, seed=1)
+        return proven, {}
+    try:
+        if not run:
+            raise InputError("batch size 2 is not profiled")
+        seen = _shapes_by_running(m, rest, batch=2, seed=1)
+    except InputError:
+        # it does not run at batch size 2 (a batch axis fixed at export): the batch-1 shapes are
+        # all there is, and profile_model says what to do unless only batch size 1 is profiled
+        seen = {t: (2, *shapes[t][1:]) for t in rest}
     observed = {t for t in rest if shapes[t][:1] == (1,) and seen[t] == (2, *shapes[t][1:])}
     for t in observed:
         vi = declared.get(t)
@@ -415,7 +431,7 @@ def _batched_tensors(m: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], con
         shape.dim.add().dim_param = BATCH_DIM
         for d in shapes[t][1:]:
             shape.dim.add().dim_value = int(d)
-    return proven | observed
+    return proven | observed, seen
 
 
 def _elem_type_of(m: onnx.ModelProto, name: str) -> int:

@@ -391,7 +391,7 @@ def profile_model(req: ProfileRequest) -> tuple[Profile, Path]:
                          "H100; it keys the profile's latencies)")
     original = load_onnx(req.model_path)
     name = req.name or req.model_path.stem
-    graph = analyze(original, req.input_shape, req.max_cut_tensors)
+    graph = analyze(original, req.input_shape, req.max_cut_tensors, batched=req.max_batch > 1)
     _check_batch_axis(graph, original, req.max_batch)
     _check_block_count(req, graph)
     sha = hashlib.sha256(graph.model.SerializeToString()).hexdigest()
