@@ -20,6 +20,7 @@ from ppiped.profiler.export import partition_from_profile
 from ppiped.profiler.graph import analyze, parse_shape
 from ppiped.profiler.profile import ProfileRequest, profile_model, units_of
 from ppiped.profiles import Profile, load_profile
+from ppiped.realcheck import one_vgpu_plan
 
 FAST = Timing(warmup_s=0.0, round_s=0.0, rounds=1)
 BLOCKS = 4
@@ -235,16 +236,11 @@ def test_multi_tensor_cuts_split_skip_connections(name, tmp_path):
 # --- serving: every zoo model through ort executors ------------------------------------------
 
 def _two_partition_model(name: str, prof: Profile) -> dict:
-    """The model cut in two at its boundary with the most tensors (so hops carry several)."""
+    """The model cut in two at its boundary with the most tensors (so hops carry several), each
+    partition on one CPU vGPU."""
     cut = max(range(1, prof.num_blocks), key=lambda b: (len(prof.extra["blocks"][b - 1]["outputs"]), -abs(b - 2)))
-    parts = []
-    for a, b in ((0, cut), (cut, prof.num_blocks)):
-        parts.append({"blocks": [a, b], "gpu": "CPU", "vgpu_split": 1, "num_vgpus": 1,
-                      "lat_infer_us": prof.partition_latency_us("CPU", 1, a, b, 2),
-                      "lat_trans_us": prof.transfer_us(b, 2, 10.0) if b < prof.num_blocks else 0.0,
-                      "throughput_rps": 1.0, "batch_size": 2})
-    return {"model": name, "slo_us": 5e6, "weight": 1.0, "throughput_rps": 1.0, "batch_delay_rate_rps": 1.0,
-            "pipelines": [{"batch_size": 2, "throughput_rps": 1.0, "latency_us": 1e4, "partitions": parts}]}
+    plan = one_vgpu_plan(prof, [((0, cut), "CPU"), ((cut, prof.num_blocks), "CPU")])
+    return plan["models"][0]
 
 
 def test_zoo_served_end_to_end_equal_to_the_whole_model(profiled):

@@ -191,7 +191,7 @@ class Scheduler:
         # an app holds requests whose query already used GPU time upstream, and dropping one
         # wastes it (the invalid rate), so such stages keep PPipe's earliest-deadline batching
         self.pard_exempt = set(pard_exempt) if pard_exempt is not None else {
-            s.model for app in getattr(plan, "apps", None) or () for s in app.stages if s.parent >= 0}
+            s.model for app in plan.apps for s in app.stages if s.parent >= 0}
         if lay.num_resources >= 1 << S.HANDLE_SHIFT:
             raise ValueError(f"{lay.num_resources} resources: at most {1 << S.HANDLE_SHIFT} fit in a handle")
         M, P = len(lay.models), lay.num_pools

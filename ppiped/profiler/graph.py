@@ -11,6 +11,7 @@ lies where one is already computed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -312,7 +313,7 @@ def analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None,
                 unknown.append(t)
     if unknown:
         shapes.update(_shapes_by_running(one, unknown))
-    batched, at2 = _batched_tensors(m, shapes, consts, run=batched)
+    batched, at2 = _batched_tensors(m, shapes, dtypes, consts, run=batched)
     for o in g.output:
         if o.name not in batched:
             dims = _dims(o)
@@ -392,8 +393,8 @@ def _valid_cuts(g: onnx.GraphProto, consts: set[str], shapes: dict[str, tuple[in
     return cuts
 
 
-def _batched_tensors(m: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], consts: set[str],
-                     run: bool = True) -> tuple[set[str], dict[str, tuple[int, ...]]]:
+def _batched_tensors(m: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, int],
+                     consts: set[str], run: bool = True) -> tuple[set[str], dict[str, tuple[int, ...]]]:
     """Activations with a batch axis and a fixed shape per request: proven by shape inference, or
     else seen so on runs at batch sizes 1 and 2 with different inputs. Only these may cross a cut
     or leave the model (executors size every boundary from its spec). The observed ones get their
@@ -411,13 +412,11 @@ def _batched_tensors(m: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], con
     rest = [t for t in acts if t not in proven and t in shapes]
     if not rest:
         return proven, {}
-    try:
-        if not run:
-            raise InputError("batch size 2 is not profiled")
-        seen = _shapes_by_running(m, rest, batch=2, seed=1)
-    except InputError:
-        # it does not run at batch size 2 (a batch axis fixed at export): the batch-1 shapes are
-        # all there is, and profile_model says what to do unless only batch size 1 is profiled
+    seen: dict[str, tuple[int, ...]] = {}
+    if run:  # (a model that does not run at batch size 2 fixes its batch: profile_model says so)
+        with contextlib.suppress(InputError):
+            seen = _shapes_by_running(m, rest, batch=2, seed=1)
+    if not seen:  # only batch size 1 is profiled, or all there is: the batch-1 shapes
         seen = {t: (2, *shapes[t][1:]) for t in rest}
     observed = {t for t in rest if shapes[t][:1] == (1,) and seen[t] == (2, *shapes[t][1:])}
     for t in observed:
@@ -425,21 +424,13 @@ def _batched_tensors(m: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], con
         if vi is None:
             vi = g.value_info.add()
             vi.name = t
-            vi.type.tensor_type.elem_type = _elem_type_of(m, t)
+            vi.type.tensor_type.elem_type = dtypes.get(t) or TensorProto.FLOAT
         shape = vi.type.tensor_type.shape
         del shape.dim[:]
         shape.dim.add().dim_param = BATCH_DIM
         for d in shapes[t][1:]:
             shape.dim.add().dim_value = int(d)
     return proven | observed, seen
-
-
-def _elem_type_of(m: onnx.ModelProto, name: str) -> int:
-    """A tensor's element type as ONNX Runtime reports it (for one shape inference left untyped)."""
-    for vi in [*m.graph.input, *m.graph.value_info, *m.graph.output]:
-        if vi.name == name and vi.type.tensor_type.elem_type:
-            return vi.type.tensor_type.elem_type
-    return TensorProto.FLOAT
 
 
 def _shapes_by_running(model: onnx.ModelProto, names: list[str], batch: int = 1,
