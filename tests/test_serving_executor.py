@@ -9,6 +9,8 @@ import time
 import numpy as np
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ppiped import wire
 from ppiped.daemon.loop import now_us
@@ -363,3 +365,22 @@ def test_ort_backends_carry_every_tensor_of_a_cut():
     bad = [list(meta[0]), [meta[1][0], [3, 4, 8, 9], meta[1][2]]]
     _, _, failed = backends[2].run(frames, bad, 3)
     assert len(failed) == 3 and "takes float16 [3, 4, 8, 8]" in failed[0][1]
+
+
+_SPEC = st.one_of(
+    st.none(), st.integers(), st.text(max_size=4), st.dictionaries(st.integers(0, 2), st.integers(), max_size=2),
+    st.lists(st.one_of(st.sampled_from(["<f2", "<f4", "float16", "S1"]), st.integers(-3, 2**40),
+                       st.lists(st.integers(-2, 2**40), max_size=4)), max_size=4))
+
+
+@settings(max_examples=300, deadline=None)
+@given(meta=st.one_of(st.none(), st.integers(), st.lists(_SPEC, min_size=2, max_size=2), st.lists(_SPEC, max_size=3)),
+       frames=st.one_of(st.lists(st.binary(max_size=48), min_size=2, max_size=2),
+                        st.lists(st.binary(max_size=48), max_size=3)),
+       n=st.integers(-1, 3))
+def test_a_forward_of_any_shape_is_an_error_text_never_an_exception(meta, frames, n):
+    from ppiped.executor.onnxio import TensorSpec, feeds_from_frames
+
+    specs = [TensorSpec("a", np.dtype("<f2"), (4, 2)), TensorSpec("b", np.dtype("<f2"), (3,))]
+    out = feeds_from_frames(frames, meta, specs, n)
+    assert isinstance(out, (str, dict))

@@ -161,7 +161,7 @@ def feeds_from_frames(frames: list, meta, specs: list[TensorSpec], n: int) -> di
     for k, spec in enumerate(specs):
         try:
             dtype, shape = np.dtype(meta[k][0]), tuple(int(d) for d in meta[k][1])
-        except (TypeError, ValueError, IndexError):
+        except (TypeError, ValueError, IndexError, KeyError, OverflowError):
             return f"malformed tensor spec for {spec.name} from the previous hop"
         if dtype != spec.dtype or shape != (n, *spec.shape):
             return (f"tensor {spec.name}: the previous hop sent {dtype} {list(shape)}, this partition "
