@@ -86,6 +86,47 @@ def test_a_query_without_children_is_done_when_its_root_is(plans):
     assert r.apps[0].ok >= int(served.sum())
 
 
+def test_the_downstream_estimate_keeps_each_stage_its_planned_share_in_engine_and_daemon_alike():
+    """The simulator's compiled estimate (engine._rest) and the daemon's (query.app.downstream_us
+    over the core's stage estimates) give the same rest on the same core state; and a congested
+    middle stage cannot hide behind an idle last one: each stage counts at least its planned
+    share, so the rest exceeds both the live sum and the planned total."""
+    from ppiped.core.scheduler import Scheduler
+    from ppiped.query.app import app_from_json, downstream_us, planned_yield
+
+    app = app_from_json({"name": "line", "slo_ms": 400, "glue_ms": 2, "stages": [
+        {"name": "detect", "model": "det"},
+        {"name": "classify", "model": "cls", "after": "detect", "fanout": 2, "glue": "g:crop"},
+        {"name": "describe", "model": "slow", "after": "classify", "glue": "g:whole"}]})
+    plan = plan_apps(PROFILES, [app], cluster(), PARAMS, time_limit=LIMIT)
+    app = plan.apps[0]
+    lay = Layout.from_plan(plan, PROFILES)
+    w = app_workload(plan, lay, {app.name: 10.0}, 0.5, 0, "e2e")
+    midx = {m: i for i, m in enumerate(lay.models)}
+    sched = Scheduler(plan, PROFILES, "pard", lay)
+    span = app.slo_us
+    cls = midx["cls"]
+    sched.submit_many(0, 300, cls, 0.0, 10 * span)  # a backlog on the middle stage only
+
+    def est(stage: int, n: int) -> float:
+        return sched.stage_estimate_us(midx[app.stages[stage].model], 0.0, n)
+
+    F = sched._A.view(np.float64)
+    for k in (1, 3):
+        want = [0.0] * 3
+        for i in (1, 2):  # the daemon's tracker: children for k parents, deeper for one
+            n = planned_yield(app.stages[i].fanout)
+            want[i] = est(i, n * k if app.stages[i].parent == 0 else n)
+        rest = downstream_us(app, want, span)[0]
+        got = E._rest(sched._A, F, midx["det"], k, 0.0, span, w.m_c0, w.m_cm, w.m_n, w.m_order, w.m_glue,
+                      w.m_share, np.zeros(len(lay.models)))
+        assert got == pytest.approx(rest, rel=1e-12)
+        live = downstream_us(app, want)[0]
+        planned = span - app.end_us(0) * span / app.slo_us
+        assert want[1] > app.stages[1].budget_us and want[2] < app.stages[2].budget_us
+        assert rest > max(live, planned) + 1.0
+
+
 def test_same_seed_same_numbers(plans):
     r1 = simulate_apps(plans["chain"], PROFILES, 1.2, "e2e", duration_s=2.0, seed=3)
     r2 = simulate_apps(plans["chain"], PROFILES, 1.2, "e2e", duration_s=2.0, seed=3)

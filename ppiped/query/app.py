@@ -270,13 +270,23 @@ def planned_yield(fanout: float) -> int:
     return max(1, math.ceil(fanout + YIELD_Z * math.sqrt(fanout)))
 
 
-def downstream_us(app: App, stage_us: Sequence[float]) -> list[float]:
+def downstream_us(app: App, stage_us: Sequence[float], span_us: float | None = None) -> list[float]:
     """Per stage, the time its slowest path below it needs after it ends: a glue step and the
-    child stage's expected time (``stage_us``: queueing, batching and inference), recursively."""
+    child stage's expected time (``stage_us``: queueing, batching and inference), recursively.
+
+    With ``span_us`` (the query's deadline less its arrival) and an SLO split, a stage counts
+    at least its planned share of the span, whatever its live estimate: its own deadline will
+    keep that much for the stages after it, so an upstream stage that took the time a live
+    estimate left free would leave this stage less than it was sized for. (Summing the live
+    estimates and comparing the total with the planned rest lets one congested stage hide
+    behind an idle one.)"""
+    floor = [0.0] * len(app.stages)
+    if span_us is not None and app.split_done:
+        floor = [s.budget_us * span_us / app.slo_us for s in app.stages]
     rest = [0.0] * len(app.stages)
     for i in range(len(app.stages) - 1, -1, -1):  # children come after their parents
         kids = app.children(i)
-        rest[i] = max((app.glue_us + stage_us[c] + rest[c] for c in kids), default=0.0)
+        rest[i] = max((app.glue_us + max(stage_us[c], floor[c]) + rest[c] for c in kids), default=0.0)
     return rest
 
 

@@ -196,7 +196,7 @@ class QueryTracker:
             n = planned_yield(stages[c].fanout)
             est[c] = float(estimate(c, n * k if stages[c].parent == stage else n))
             todo.extend(self._kids[c])
-        return downstream_us(self.app, est)
+        return downstream_us(self.app, est, self.deadline_us - self.arrival_us)
 
     def _check(self) -> None:
         if self.open == 0 and not self.finished:

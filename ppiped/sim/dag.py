@@ -48,6 +48,7 @@ class DagWorkload:
     m_n: np.ndarray  # [M] requests a parent request yields, rounded up (the estimate's batch)
     m_order: np.ndarray  # models, children before parents
     m_glue: np.ndarray  # [M] glue µs before a request of this model arrives
+    m_share: np.ndarray  # [M] the stage's planned budget / its app's SLO (0: no split, or no app)
     stop_late: bool
     apps: list[App] = field(default_factory=list)
     mode: str = "e2e"
@@ -59,14 +60,14 @@ class DagWorkload:
         n = len(times_us)
         dq_i = np.zeros((n, E.DQ_SIZE), dtype=np.int64)
         dq_i[:, E.DQ_QUERY] = -1
-        dq_f = np.empty((n, E.DF_SIZE))
+        dq_f = np.zeros((n, E.DF_SIZE))
         dq_f[:, E.DF_DL] = times_us + slo_us[model] if n else 0.0
         dq_f[:, E.DF_DC] = dq_f[:, E.DF_DL]
         return cls(times_us, model, priority, n, dq_i, dq_f, np.zeros(1, dtype=np.int64),
                    np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
                    np.zeros(num_models + 1, dtype=np.int64), np.zeros(0, dtype=np.int64),
                    np.ones(num_models, dtype=np.int64), np.arange(num_models, dtype=np.int64),
-                   np.zeros(num_models), True)
+                   np.zeros(num_models), np.zeros(num_models), True)
 
 
 def app_workload(plan: Plan, layout: Layout, app_rates: Mapping[str, float], duration_s: float,
@@ -168,6 +169,7 @@ def app_workload(plan: Plan, layout: Layout, app_rates: Mapping[str, float], dur
     kids: list[list[int]] = [[] for _ in range(M)]
     m_n = np.ones(M, dtype=np.int64)
     m_glue = np.zeros(M)
+    m_share = np.zeros(M)
     depth = np.zeros(M, dtype=np.int64)
     for a in app_list:
         for si, s in enumerate(a.stages):
@@ -177,13 +179,15 @@ def app_workload(plan: Plan, layout: Layout, app_rates: Mapping[str, float], dur
                 kids[midx[a.stages[s.parent].model]].append(m)
                 m_n[m] = planned_yield(s.fanout)
                 m_glue[m] = a.glue_us
+            if a.split_done:
+                m_share[m] = s.budget_us / a.slo_us
     m_c0 = np.zeros(M + 1, dtype=np.int64)
     m_c0[1:] = np.cumsum([len(k) for k in kids])
     m_cm = np.asarray([c for k in kids for c in k], dtype=np.int64)
     m_order = np.argsort(-depth, kind="stable").astype(np.int64)
     pr = np.zeros(n, dtype=np.int64)
     return DagWorkload(times, marr, pr, n_roots, dq_i, dq_f, qm0, qm, np.asarray(q_root, dtype=np.int64),
-                       np.asarray(q_app, dtype=np.int64), m_c0, m_cm, m_n, m_order, m_glue,
+                       np.asarray(q_app, dtype=np.int64), m_c0, m_cm, m_n, m_order, m_glue, m_share,
                        mode != "chain", app_list, mode)
 
 

@@ -437,11 +437,13 @@ def _end_request(si, rid, now, dq_f, arr_m, r_state, r_end, miss, miss_allow, st
 
 
 @njit(cache=True)
-def _rest(A, F, m, k, now, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp):
+def _rest(A, F, m, k, now, span, m_c0, m_cm, m_n, m_order, m_glue, m_share, rest_tmp):
     """What ``k`` requests of model ``m`` arriving together need after they end, now: per child
     stage a glue step, the core's estimate for the requests they yield together
-    (``kernels.sched.stage_estimate``) and its own downstream, the slowest child counting
-    (:func:`ppiped.query.app.downstream_us`; deeper stages at one parent request's yield)."""
+    (``kernels.sched.stage_estimate``) but never less than the stage's planned share of the
+    query's ``span`` (its own deadline will keep that much for the stages after it), and its own
+    downstream, the slowest child counting (:func:`ppiped.query.app.downstream_us`; deeper
+    stages at one parent request's yield)."""
     if m_c0[m] == m_c0[m + 1]:
         return 0.0
     for i in range(m_order.shape[0]):  # children before parents
@@ -449,7 +451,8 @@ def _rest(A, F, m, k, now, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp):
         r = 0.0
         for j in range(m_c0[d], m_c0[d + 1]):
             c = m_cm[j]
-            x = m_glue[c] + K.stage_estimate(A, F, c, m_n[c] * (k if d == m else 1), now) + rest_tmp[c]
+            x = m_glue[c] + max(K.stage_estimate(A, F, c, m_n[c] * (k if d == m else 1), now),
+                                m_share[c] * span) + rest_tmp[c]
             if x > r:
                 r = x
         rest_tmp[d] = r
@@ -457,7 +460,8 @@ def _rest(A, F, m, k, now, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp):
 
 
 @njit(cache=True)
-def _children_in_time(A, F, rid, now, arr_m, dq_i, dq_f, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp):
+def _children_in_time(A, F, rid, now, span, arr_m, dq_i, dq_f, m_c0, m_cm, m_n, m_order, m_glue, m_share,
+                      rest_tmp):
     """Whether request ``rid``'s children, now that their number is known, can still end by
     their query's deadline (PARD's check at the next stage's admission): per child model, the
     core's estimate for that many requests and its own downstream stages."""
@@ -471,8 +475,8 @@ def _children_in_time(A, F, rid, now, arr_m, dq_i, dq_f, m_c0, m_cm, m_n, m_orde
         while c < c1 and arr_m[c] == m:
             k += 1
             c += 1
-        if now + K.stage_estimate(A, F, m, k, now) + _rest(A, F, m, k, now, m_c0, m_cm, m_n, m_order, m_glue,
-                                                          rest_tmp) > dl:
+        if now + K.stage_estimate(A, F, m, k, now) + _rest(A, F, m, k, now, span, m_c0, m_cm, m_n, m_order,
+                                                          m_glue, m_share, rest_tmp) > dl:
             K._pressure(A, F, m, now)  # a drop of m's requests, as PARD counts them
             return False
     return True
@@ -518,7 +522,7 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
              nic_s, nic_e, nic_n, nic_busy,
              et, es, ex, bi, bhi, bhf, breq, j_next,
              v_head, v_run, v_timer, v_busy, r_state, r_end, r_gpu, miss, rb_h, rb_f, tl_i, tl_f,
-             dq_i, dq_f, qm0, qm, q_fail, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp):
+             dq_i, dq_f, qm0, qm, q_fail, m_c0, m_cm, m_n, m_order, m_glue, m_share, rest_tmp):
     """Run until every request has ended (DONE), the miss budget is spent (STOPPED), or an array
     is full (a core ``FULL_*`` status or ``SIM_FULL_*``): then grow it and call again."""
     # owner-less views of every array (see kernels.state.raw): numba reference-counts owned
@@ -597,9 +601,10 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
                 item = x >> 2
                 if kind == EV_SPAWN:
                     q = dq_i[item, DQ_QUERY]
+                    span = dq_f[item, DF_DL] - arr_t[qm[qm0[q]]] if q >= 0 else 0.0
                     if (stop_late and q_fail[q] == 0 and dq_i[dq_i[item, DQ_C0], DQ_MODE] == DM_E2E
-                            and not _children_in_time(A, F, item, now, arr_m, dq_i, dq_f, m_c0, m_cm, m_n,
-                                                      m_order, m_glue, rest_tmp)):
+                            and not _children_in_time(A, F, item, now, span, arr_m, dq_i, dq_f, m_c0, m_cm,
+                                                      m_n, m_order, m_glue, m_share, rest_tmp)):
                         q_fail[q] = Q_FAIL_SPAWN
                     if q_fail[q] == 0 or not stop_late:
                         c0 = dq_i[item, DQ_C0]
@@ -616,7 +621,7 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
                                     if arr_m[c2] == m:
                                         k += 1
                                 dl = dq_f[c, DF_DL] - max(dq_f[c, DF_DC], _rest(
-                                    A, F, m, k, now, m_c0, m_cm, m_n, m_order, m_glue, rest_tmp))
+                                    A, F, m, k, now, span, m_c0, m_cm, m_n, m_order, m_glue, m_share, rest_tmp))
                             else:
                                 dl = dq_f[c, DF_DC]
                             st = K.submit(A, c, m, now, dl, arr_p[c])
@@ -719,8 +724,8 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
             while ai < n_arr and arr_t[ai] == now:
                 m = arr_m[ai]
                 if dq_i[ai, DQ_MODE] == DM_E2E:
-                    dl = dq_f[ai, DF_DL] - max(dq_f[ai, DF_DC], _rest(A, F, m, 1, now, m_c0, m_cm, m_n,
-                                                                      m_order, m_glue, rest_tmp))
+                    dl = dq_f[ai, DF_DL] - max(dq_f[ai, DF_DC], _rest(
+                        A, F, m, 1, now, dq_f[ai, DF_DL] - now, m_c0, m_cm, m_n, m_order, m_glue, m_share, rest_tmp))
                 else:
                     dl = dq_f[ai, DF_DC]
                 st = K.submit(A, ai, m, now, dl, arr_p[ai])

@@ -216,7 +216,7 @@ class Simulation:
                 self.ex, self.bi, self.bhi, self.bhf, self.breq, self.j_next, self.v_head, self.v_run, self.v_timer, self.v_busy, self.r_state,
                 self.r_end, self.r_gpu, self.miss, self.rb_h, self.rb_f, self.tl_i, self.tl_f,
                 self.dq_i, self.dag.dq_f, self.dag.qm0, self.dag.qm, self.q_fail, self.dag.m_c0, self.dag.m_cm,
-                self.dag.m_n, self.dag.m_order, self.dag.m_glue, self.rest_tmp)
+                self.dag.m_n, self.dag.m_order, self.dag.m_glue, self.dag.m_share, self.rest_tmp)
             if st in (E.DONE, E.STOPPED):
                 break
             self._grow(st)
