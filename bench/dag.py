@@ -8,7 +8,8 @@ plan's query rate) with latency noise σ = 0.05, under
 
 * ``split``: per-stage deadlines from the SLO split, Nexus early drop per stage;
 * ``e2e``: PARD, every stage working to the query's deadline less the core's live estimate of
-  the stages after it (each at least its planned share of the SLO), proactive drops (at admission, and before a stage's children arrive);
+  the stages after it (each at least its planned share of the SLO), proactive drops (at
+  admission, and before a stage's children arrive);
 * ``chain``: what a client does by hand today, each stage submitted with its stage's SLO from
   the moment the client has the previous stage's answer;
 * ``e2e-ppipe``: PARD's end-to-end deadlines and its check before a stage's children arrive, with
