@@ -37,7 +37,8 @@ def _pycuda_sees_gpu() -> bool:
 
 @pytest.fixture
 def middle_block(tmp_path):
-    """The second of three blocks of the tiny model: fp16 in, fp16 out, a residual stage inside."""
+    """The second of three blocks of the tiny model: fp16 in, fp16 out, a residual stage inside;
+    with cuts of several tensors (the default) it takes two."""
     g = analyze(build_tiny_model())
     units = units_of(g)
     third = len(units) // 3
@@ -72,15 +73,45 @@ def test_torch_backend_matches_onnxruntime(middle_block):
     from ppiped.profiler.backends.torch_cuda import OnnxProgram, TorchRuntime
 
     model = onnx.load(str(middle_block))
-    inp = model.graph.input[0]
-    shape = [2, *[d.dim_value for d in inp.type.tensor_type.shape.dim[1:]]]
-    x = np.random.default_rng(0).standard_normal(shape).astype(np.float16)
-    ref = ort.InferenceSession(str(middle_block), providers=["CPUExecutionProvider"]).run(None, {inp.name: x})[0]
+    rng = np.random.default_rng(0)
+    feeds = {i.name: rng.standard_normal([2, *[d.dim_value for d in i.type.tensor_type.shape.dim[1:]]])
+             .astype(np.float16) for i in model.graph.input}
+    assert len(feeds) == 2
+    ref = ort.InferenceSession(str(middle_block), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     prog = OnnxProgram(onnx.load(str(middle_block)), torch, torch.nn.functional)
     with torch.inference_mode():
-        got = prog.run(torch.from_numpy(x).cuda())[0].float().cpu().numpy()
+        got = prog.run(*(torch.from_numpy(feeds[n]).cuda() for n in prog.inputs))[0].float().cpu().numpy()
     assert np.max(np.abs(got - ref.astype(np.float32))) / np.max(np.abs(ref)) < 1e-2
     rt = TorchRuntime()
     sess = rt.open(middle_block, 4)
     assert measure_us(sess, 4, Timing(rounds=3)) > 0
     sess.close()
+
+
+@pytest.mark.skipif(not cuda_torch(), reason="needs PyTorch with a CUDA GPU")
+@pytest.mark.parametrize("build", ["fpn", "yolo", "attention", "constant_weights"])
+def test_torch_program_runs_exported_detector_shapes_like_onnxruntime(build):
+    """Resize, ConvTranspose, Reshape/Transpose heads, attention (Softmax, LayerNormalization,
+    Squeeze) and Constant nodes, as real exported detectors and recognizers have them: the
+    whole model in fp16 on the GPU against ONNX Runtime in fp32."""
+    import torch
+    import zoo
+
+    from ppiped.profiler.backends.torch_cuda import OnnxProgram
+
+    model = getattr(zoo, build)()
+    rng = np.random.default_rng(1)
+    feeds = {}
+    for i in model.graph.input:
+        dims = [d.dim_value if d.dim_value > 0 else 2 for d in i.type.tensor_type.shape.dim]
+        feeds[i.name] = rng.random(dims).astype(np.float32)
+    refs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    prog = OnnxProgram(model, torch, torch.nn.functional)
+    with torch.inference_mode():
+        got = prog.run(*(torch.from_numpy(feeds[n]).cuda().half() for n in prog.inputs))
+    assert len(got) == len(refs)
+    for g, r in zip(got, refs, strict=True):
+        g = g.float().cpu().numpy()
+        assert g.shape == r.shape
+        span = float(r.max() - r.min()) or 1.0
+        assert float(np.abs(g - r).max()) / span < 2e-2, build

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import zmq
+from conftest import cuda_torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -320,10 +321,12 @@ def _skip_model():
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def test_ort_backends_carry_every_tensor_of_a_cut():
+@pytest.mark.parametrize("kind", ["ort", pytest.param("torch", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not cuda_torch(), reason="needs PyTorch with a CUDA GPU")])])
+def test_backends_carry_every_tensor_of_a_cut(kind):
     """A cut of two tensors (one passed through untouched) crosses a hop as two fp16 frames, in
     order, and the chain equals the whole model; a forward with the wrong tensors is an error
-    for each request, not an exception."""
+    for each request, not an exception. ``torch`` (a GPU) runs the same partitions."""
     ort = pytest.importorskip("onnxruntime")
     import onnx
 
@@ -342,7 +345,7 @@ def test_ort_backends_carry_every_tensor_of_a_cut():
     for k in range(3):
         a = wire.Assignment(k, "skip", 0, k, k, k + 1, "CPU", 1, 0, k == 2, LAT, [0.0] * len(LAT))
         part = ex.partition(k, k + 1)
-        b = make_backend("ort", a, (lambda p=part: p, f"skip block {k}"))
+        b = make_backend(kind, a, (lambda p=part: p, f"skip block {k}"))
         b.load()
         backends.append(b)
     assert [len(b.part.inputs) for b in backends] == [1, 2, 2]

@@ -33,65 +33,69 @@ class TorchBackend(_TensorBackend):
     def load(self) -> None:
         import onnx
 
-        from ..profiler.backends.torch_cuda import OnnxProgram, import_torch
+        from ..profiler.backends.torch_cuda import OnnxProgram, device_input, import_torch
 
         if self.split > 1:  # MPS reads it when this process creates its first CUDA context
             os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(100 // self.split))
         part = self.prepare()
-        if len(part.inputs) != 1:
-            raise InputError(f"{part.source}: the torch backend runs partitions with one input tensor, this "
-                             f"one takes {len(part.inputs)} (a cut of several tensors); serve it with ort "
-                             "or trt, or profile with --max-cut-tensors 1")
         torch, F = import_torch()  # noqa: N806
         self.torch = torch
         torch.cuda.set_device(self.device)
         self.prog = OnnxProgram(onnx.load_from_string(part.onnx_bytes), torch, F)
+        by_name = {spec.name: spec for spec in part.inputs}
+        if sorted(self.prog.inputs) != sorted(by_name):
+            raise InputError(f"{part.source}: the graph's inputs {self.prog.inputs} are not the partition's "
+                             f"{sorted(by_name)}")
+        self.specs = [by_name[n] for n in self.prog.inputs]  # in the order the program takes them
+        self._device_input = device_input
         self.stream = torch.cuda.Stream()
         self.wide = [spec.dtype == np.float32 for spec in part.outputs]
-        # requests arrive in read-only frames: staged through pinned host memory to the GPU in
-        # their own dtype, converted to fp16 there
-        shape = (self.max_bs, *part.input.shape)
-        dtype = torch.from_numpy(np.zeros(0, part.input.dtype)).dtype
-        self.host = torch.empty(shape, dtype=dtype, pin_memory=True)
-        self.host_np = self.host.numpy()
-        self.dev_in = torch.empty(shape, dtype=dtype, device="cuda")
+        # requests arrive in read-only frames: each tensor staged through pinned host memory to
+        # the GPU in its own dtype, converted to fp16 there
+        self.host, self.host_np, self.dev_in = [], [], []
+        for spec in self.specs:
+            shape = (self.max_bs, *spec.shape)
+            dtype = torch.from_numpy(np.zeros(0, spec.dtype)).dtype
+            self.host.append(torch.empty(shape, dtype=dtype, pin_memory=True))
+            self.host_np.append(self.host[-1].numpy())
+            self.dev_in.append(torch.empty(shape, dtype=dtype, device="cuda"))
         for bs in range(1, self.max_bs + 1):  # capture now: the first batch of a size pays nothing
             self._graph(bs)
 
-    def _graph(self, bs: int) -> tuple[Any, Any, list]:
-        """A CUDA graph of the partition at batch size ``bs``, its input and its output tensors."""
+    def _graph(self, bs: int) -> tuple[Any, list, list]:
+        """A CUDA graph of the partition at batch size ``bs``, its inputs and its output tensors."""
         g = self.graphs.get(bs)
         if g is not None:
             return g
         torch = self.torch
-        x = torch.zeros((bs, *self.part.input.shape), device="cuda", dtype=torch.half)
-        if x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
+        xs = [self._device_input(torch, bs, spec.shape) for spec in self.specs]
         with torch.inference_mode():
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
                 for _ in range(2):  # warm-up outside the graph (cudnn picks its kernels)
-                    self.prog.run(x)
+                    self.prog.run(*xs)
             torch.cuda.current_stream().wait_stream(self.stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                outs = [(o.float() if wide else o).contiguous() for o, wide in zip(self.prog.run(x), self.wide,
+                outs = [(o.float() if wide else o).contiguous() for o, wide in zip(self.prog.run(*xs), self.wide,
                                                                                     strict=True)]
-        self.graphs[bs] = g = (graph, x, outs)
+        self.graphs[bs] = g = (graph, xs, outs)
         return g
 
     def infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        (batch,) = feeds.values()
-        n = batch.shape[0]
+        batches = [feeds[spec.name] for spec in self.specs]
+        n = batches[0].shape[0]
         if n > self.max_bs:
-            out = [self.infer({k: batch[i:i + self.max_bs] for k in feeds}) for i in range(0, n, self.max_bs)]
+            out = [self.infer({k: v[i:i + self.max_bs] for k, v in feeds.items()})
+                   for i in range(0, n, self.max_bs)]
             return [np.concatenate([o[k] for o in out]) for k in range(len(self.wide))]
-        graph, x, outs = self._graph(n)
+        graph, xs, outs = self._graph(n)
         torch = self.torch
-        np.copyto(self.host_np[:n], batch)
         with torch.inference_mode():
-            self.dev_in[:n].copy_(self.host[:n], non_blocking=True)
-            x.copy_(self.dev_in[:n])  # to fp16, on the GPU
+            for batch, host, host_np, dev, x in zip(batches, self.host, self.host_np, self.dev_in, xs, strict=True):
+                np.copyto(host_np[:n], batch)
+                dev[:n].copy_(host[:n], non_blocking=True)
+                x.copy_(dev[:n])  # to fp16, on the GPU
             graph.replay()
             return [o.cpu().numpy() for o in outs]
 

@@ -18,9 +18,12 @@ from onnx import helper, numpy_helper
 
 from ...errors import InputError
 
-SUPPORTED = {"Conv", "BatchNormalization", "Relu", "Add", "Sub", "Mul", "Div", "MaxPool", "AveragePool",
-             "GlobalAveragePool", "Flatten", "Gemm", "MatMul", "Cast", "Identity", "Sigmoid", "Clip",
-             "Concat", "HardSwish", "HardSigmoid", "Tanh"}
+SUPPORTED = {"Conv", "ConvTranspose", "BatchNormalization", "Relu", "Add", "Sub", "Mul", "Div", "MaxPool",
+             "AveragePool", "GlobalAveragePool", "Flatten", "Gemm", "MatMul", "Cast", "Identity", "Sigmoid",
+             "Clip", "Concat", "HardSwish", "HardSigmoid", "Tanh", "Resize", "Reshape", "Transpose", "Softmax",
+             "LayerNormalization", "Squeeze", "Unsqueeze", "Constant"}
+# Inputs read as numbers when the program is built (shapes, scales, axes), not as tensors.
+_STATIC_INPUTS = {"Resize": (1, 2, 3), "Reshape": (1,), "Squeeze": (1,), "Unsqueeze": (1,)}
 
 
 def import_torch():
@@ -35,6 +38,26 @@ def import_torch():
     return torch, F
 
 
+def device_input(torch, bs: int, sample) -> Any:
+    """A zero fp16 batch on the GPU for one input of ``sample`` shape (channels-last if 4-D):
+    the fixed address a CUDA graph reads."""
+    x = torch.zeros((bs, *sample), device="cuda", dtype=torch.half)
+    return x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
+
+
+def _constant_value(n) -> np.ndarray:
+    """The value of a Constant node (a tensor, or one of the scalar and list forms)."""
+    for at in n.attribute:
+        v = helper.get_attribute_value(at)
+        if at.name in ("value", "sparse_value"):
+            return numpy_helper.to_array(v)
+        if at.name in ("value_float", "value_floats"):
+            return np.asarray(v, dtype=np.float32)
+        if at.name in ("value_int", "value_ints"):
+            return np.asarray(v, dtype=np.int64)
+    raise InputError(f"Constant node {n.name} has no value the torch backend reads")
+
+
 class OnnxProgram:
     """The model's nodes as torch calls over fp16 tensors on the GPU."""
 
@@ -43,17 +66,28 @@ class OnnxProgram:
         dev = torch.device("cuda")
         g = model.graph
         consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+        nodes = []
         for n in g.node:
             if n.op_type not in SUPPORTED:
                 raise InputError(f"the torch backend does not support operator {n.op_type} "
                                  f"(node {n.name}); use --backend trt or ort")
-        self.nodes = self._fold_bn(list(g.node), consts)
+            if n.op_type == "Constant":
+                consts[n.output[0]] = _constant_value(n)
+                continue
+            for i in _STATIC_INPUTS.get(n.op_type, ()):
+                if i < len(n.input) and n.input[i] and n.input[i] not in consts:
+                    raise InputError(f"the torch backend needs input {i} of {n.op_type} node {n.name} to be a "
+                                     "constant (a shape computed at run time); use --backend trt or ort")
+            nodes.append(n)
+        self.consts = consts
+        self.nodes = self._fold_bn(nodes, consts)
         self.w = {k: torch.from_numpy(np.array(v, copy=True)).to(dev) for k, v in consts.items()}
         for k, v in self.w.items():
             if v.is_floating_point():
                 v = v.half()
                 self.w[k] = v.contiguous(memory_format=torch.channels_last) if v.dim() == 4 else v
-        self.input = next(i.name for i in g.input if i.name not in consts)
+        # a first block takes the image; a later one every tensor of the cut before it
+        self.inputs = [i.name for i in g.input if i.name not in consts]
         self.outputs = [o.name for o in g.output]
 
     @staticmethod
@@ -85,10 +119,54 @@ class OnnxProgram:
             out.append(n)
         return out
 
-    def run(self, x):
+    def _conv_transpose(self, n, a: dict, ins: list):
+        if "output_shape" in a or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            raise InputError(f"the torch backend runs ConvTranspose (node {n.name}) with explicit pads only")
+        pads = list(a.get("pads", [0, 0, 0, 0]))
+        h = len(pads) // 2
+        if pads[:h] != pads[h:]:
+            raise InputError(f"the torch backend runs ConvTranspose (node {n.name}) with symmetric pads only")
+        return self.F.conv_transpose2d(ins[0], ins[1], ins[2] if len(ins) > 2 else None,
+                                       tuple(a.get("strides", [1, 1])), tuple(pads[:h]),
+                                       tuple(a.get("output_padding", [0, 0])), a.get("group", 1),
+                                       tuple(a.get("dilations", [1, 1])))
+
+    def _resize(self, n, a: dict, x):
+        """ONNX Resize of the spatial axes, as F.interpolate does it: nearest (floor of the
+        asymmetric source for ``asymmetric``, rounded half-pixel otherwise) or linear."""
+        def text(key, default):
+            v = a.get(key, default)
+            return v.decode() if isinstance(v, bytes) else v
+
+        mode, ctm = text("mode", "nearest"), text("coordinate_transformation_mode", "half_pixel")
+        scales = self.consts.get(n.input[2]) if len(n.input) > 2 and n.input[2] else None
+        sizes = self.consts.get(n.input[3]) if len(n.input) > 3 and n.input[3] else None
+        kw: dict[str, Any] = {}
+        if sizes is not None and len(sizes):
+            kw["size"] = tuple(int(v) for v in sizes[2:])
+        elif scales is not None and len(scales):
+            if any(float(v) != 1.0 for v in scales[:2]):
+                raise InputError(f"the torch backend resizes spatial axes only (node {n.name})")
+            kw["scale_factor"] = tuple(float(v) for v in scales[2:])
+        else:
+            raise InputError(f"Resize node {n.name} has neither scales nor sizes")
+        if mode == "nearest":
+            kw["mode"] = "nearest" if ctm == "asymmetric" else "nearest-exact"
+        elif mode == "linear" and ctm in ("half_pixel", "pytorch_half_pixel", "align_corners"):
+            kw["mode"] = "bilinear" if x.dim() == 4 else "linear"
+            kw["align_corners"] = ctm == "align_corners"
+        else:
+            raise InputError(f"the torch backend does not support Resize mode {mode!r} with "
+                             f"{ctm!r} coordinates (node {n.name}); use --backend trt or ort")
+        return self.F.interpolate(x, **kw)
+
+    def run(self, *xs):
+        """The outputs for one tensor per input, in the graph's input order."""
         torch, F = self.torch, self.F
+        if len(xs) != len(self.inputs):
+            raise InputError(f"the block takes {len(self.inputs)} input tensor(s), got {len(xs)}")
         env = dict(self.w)
-        env[self.input] = x
+        env.update(zip(self.inputs, xs, strict=True))
         for n in self.nodes:
             a = {at.name: helper.get_attribute_value(at) for at in n.attribute}
             ins = [env[t] if t else None for t in n.input]
@@ -102,6 +180,36 @@ class OnnxProgram:
                     pads = [0] * (2 * h)
                 y = F.conv2d(x0, ins[1], ins[2] if len(ins) > 2 else None, tuple(a.get("strides", [1, 1])),
                              tuple(pads[:h]), tuple(a.get("dilations", [1, 1])), a.get("group", 1))
+            elif op == "ConvTranspose":
+                y = self._conv_transpose(n, a, ins)
+            elif op == "Resize":
+                y = self._resize(n, a, ins[0])
+            elif op == "Reshape":
+                shape = [int(d) for d in self.consts[n.input[1]]]
+                if not a.get("allowzero", 0):
+                    shape = [ins[0].shape[i] if d == 0 else d for i, d in enumerate(shape)]
+                y = torch.reshape(ins[0], shape)
+            elif op == "Transpose":
+                y = ins[0].permute(*a.get("perm", range(ins[0].dim() - 1, -1, -1)))
+            elif op == "Softmax":
+                y = torch.softmax(ins[0], a.get("axis", -1))
+            elif op == "LayerNormalization":
+                ax = a.get("axis", -1) % ins[0].dim()
+                y = F.layer_norm(ins[0], tuple(ins[0].shape[ax:]), ins[1], ins[2] if len(ins) > 2 else None,
+                                 a.get("epsilon", 1e-5))
+            elif op in ("Squeeze", "Unsqueeze"):
+                axes = [int(v) for v in self.consts[n.input[1]]] if len(n.input) > 1 and n.input[1] \
+                    else list(a.get("axes", []))
+                y = ins[0]
+                if op == "Squeeze":
+                    axes = sorted((x % y.dim() for x in axes), reverse=True) or \
+                        [i for i in range(y.dim() - 1, -1, -1) if y.shape[i] == 1]
+                    for x in axes:
+                        y = y.squeeze(x)
+                else:
+                    out_dim = y.dim() + len(axes)
+                    for x in sorted(x % out_dim for x in axes):
+                        y = y.unsqueeze(x)
             elif op == "BatchNormalization":
                 y = F.batch_norm(ins[0], ins[3], ins[4], ins[1], ins[2], False, 0.0, a.get("epsilon", 1e-5))
             elif op == "Relu":
@@ -151,27 +259,25 @@ class TorchSession:
         self.torch = torch
         model = onnx.load(str(model_path))
         self.prog = OnnxProgram(model, torch, rt.F)
-        inp = next(i for i in model.graph.input if i.name == self.prog.input)
-        self.sample = [d.dim_value for d in inp.type.tensor_type.shape.dim[1:]]
+        shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim[1:]] for i in model.graph.input}
+        self.samples = [shapes[n] for n in self.prog.inputs]
         self.graphs: dict[int, Any] = {}
         self.stream = torch.cuda.Stream()
 
     def _graph(self, bs: int):
         torch = self.torch
         if bs not in self.graphs:
-            x = torch.zeros((bs, *self.sample), device="cuda", dtype=torch.half)
-            if len(self.sample) == 3:
-                x = x.contiguous(memory_format=torch.channels_last)
+            xs = [device_input(torch, bs, sample) for sample in self.samples]
             with torch.inference_mode():
                 self.stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.stream):
                     for _ in range(3):
-                        self.prog.run(x)
+                        self.prog.run(*xs)
                 torch.cuda.current_stream().wait_stream(self.stream)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    out = self.prog.run(x)
-            self.graphs[bs] = (g, x, out)
+                    out = self.prog.run(*xs)
+            self.graphs[bs] = (g, xs, out)
         return self.graphs[bs][0]
 
     def timed(self, bs: int, n: int) -> float:
