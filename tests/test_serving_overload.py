@@ -1,5 +1,6 @@
-"""The daemon past its own ceiling: a backlogged client socket is answered ``overloaded`` at once,
-message by message, and every request still gets exactly one reply.
+"""The daemon past its own ceiling: a backlogged client socket is answered ``overloaded`` by the end
+of the reader's wake-up (one reply per client), a long backlog is read at a bounded duty, and
+every request still gets exactly one reply.
 
 No timing assertions here (the figures are ``bench/ingest.py``'s): the backlog is made by a fake
 clock, or by stopping the daemon while a flood queues up."""
@@ -114,10 +115,84 @@ def test_backlogged_submit_is_answered_overloaded_at_once(tmp_path, monkeypatch)
         send_parts(rig.cl, [wire.submit(tiny.MODEL, 2_000, [300, 301]), b"a", b"b"])
         assert srv.client.poll(1000)
         srv.on_client(L.recv_parts(srv.client, 0))
+        assert not _replies(rig)  # a backlog's sheds are answered when the reader's wake-up ends
+        srv.after_clients()
         [h] = [h for h in _replies(rig) if h.ids == [300, 301]]
         assert (h.status, h.reason) == (Status.REJECTED, wire.OVERLOADED)
     finally:
         rig.close()
+
+
+def test_a_backlogs_sheds_are_answered_together_per_client_each_id_once(tmp_path, monkeypatch):
+    """Under a backlog (a flood), the sheds of one reader wake-up go back as one reply per client,
+    at most about SHED_REPLY_IDS ids each, and every id is answered exactly once."""
+    monkeypatch.setattr(S, "SHED_REPLY_IDS", 4)
+    rig = Rig(tmp_path, monkeypatch, extra="[limits]\nmax_backlog_ms = 5\n")
+    try:
+        srv = rig.srv
+        srv.client_reader = _Behind(rig.t - 6_000)
+        sent = []
+        for k in range(3):
+            ids = [100 * (k + 1) + j for j in range(3)]
+            sent += ids
+            send_parts(rig.cl, [wire.submit(tiny.MODEL, 0, ids), b"a", b"b", b"c"])
+            assert srv.client.poll(1000)
+            srv.on_client(L.recv_parts(srv.client, 0))
+        first = _replies(rig)  # the second message took the held ids past 4: sent at once
+        assert [h.ids for h in first] == [[100, 101, 102, 200, 201, 202]]
+        srv.after_clients()  # the wake-up ends: the rest
+        second = _replies(rig)
+        assert [h.ids for h in second] == [[300, 301, 302]]
+        got = [i for h in first + second for i in h.ids]
+        assert sorted(got) == sorted(sent) and len(got) == len(set(got))
+        assert all((h.status, h.reason) == (Status.REJECTED, wire.OVERLOADED) for h in first + second)
+        st = srv.status()
+        assert st["counters"]["shed_messages"] == 3 and st["shed_us"]["n"] == 3
+        assert not srv._shed_later
+    finally:
+        rig.close()
+
+
+def test_a_reader_behind_for_long_rests_between_wake_ups(monkeypatch):
+    """Past ``pace_after_us`` behind, a wake-up cut by its budget is followed by a rest (a flood
+    gets at most ``duty`` of the loop); every message is still handled, in order."""
+    clock = [1_000]
+
+    def tick() -> int:
+        clock[0] += 100
+        return clock[0]
+
+    monkeypatch.setattr(L, "now_us", tick)
+    ctx = zmq.Context()
+    got: dict[str, list[bytes]] = {}
+    paced: dict[str, int] = {}
+
+    async def main(name: str, **pace) -> None:
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        b.bind(f"inproc://pace-{name}")
+        a.connect(f"inproc://pace-{name}")
+        loop = asyncio.get_running_loop()
+        for i in range(40):
+            send_parts(a, [str(i).encode()])
+        got[name] = []
+        r = Reader(loop, b, lambda m: got[name].append(bytes(m[0])), budget_us=250, **pace)
+        for _ in range(2000):
+            await asyncio.sleep(0.0005)
+            if len(got[name]) == 40 and not r._scheduled:
+                break
+        paced[name] = r.paced
+        r.close()
+        a.close(0)
+        b.close(0)
+
+    try:
+        asyncio.run(main("paced", pace_after_us=500, duty=0.5))
+        asyncio.run(main("plain"))
+    finally:
+        ctx.destroy(0)
+    for name in ("paced", "plain"):
+        assert got[name] == [str(i).encode() for i in range(40)]
+    assert paced["paced"] > 0 and paced["plain"] == 0
 
 
 def _results_for_dispatches(rig: Rig) -> int:

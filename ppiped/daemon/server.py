@@ -63,7 +63,12 @@ CALM_INTERVALS = 100  # adjustments in a row with nothing late or refused: the w
 # are the answers that count) or the timers, and vice versa.
 CLIENT_SLICE_US = 1000
 EXEC_SLICE_US = 1000
+# A client socket behind this long is read at most this share of the time (a flood cannot take
+# the loop's whole CPU from the executors and clients on the same host)
+CLIENT_PACE_AFTER_US = 5000
+CLIENT_FLOOD_DUTY = 0.5
 BURST_DECIDE_US = 200
+SHED_REPLY_IDS = 4096  # a reply of held-back backlog sheds carries at most about this many ids
 _ACTION_VIEWS = ("path", "n_hops", "req_start", "bs", "res_start", "n_res_of", "finish_us", "model", "handle",
                  "kind", "hop", "start_us", "req_id", "drop_id", "drop_reason")
 OFFSET_SAMPLES = 16
@@ -292,6 +297,9 @@ class Server:
         self.n_wake = 0
         self.shed_us = np.zeros(SHED_SAMPLES, dtype=np.float64)  # read to overloaded reply sent
         self.n_shed = 0
+        # backlog sheds of this client wake-up, one reply per client when it ends: ident ->
+        # (ids, read times of their messages, detail)
+        self._shed_later: dict[bytes, tuple[list[int], list[int], str]] = {}
         self.max_backlog_us = int(cfg.max_backlog_ms * 1000)
         self.adjust_at = 0  # when the admission windows are next adjusted
         self._views_key = -1
@@ -427,7 +435,8 @@ class Server:
             pin_this_thread(cfg.loop_cpus)
         self.timers = Timers(self.loop)
         self.client_reader = Reader(self.loop, self.client, self.on_client, after=self.after_clients,
-                                    budget_us=CLIENT_SLICE_US)
+                                    budget_us=CLIENT_SLICE_US, pace_after_us=CLIENT_PACE_AFTER_US,
+                                    duty=CLIENT_FLOOD_DUTY)
         self.exe_reader = Reader(self.loop, self.exe, self.on_exec, after=self.after_execs,
                                  budget_us=EXEC_SLICE_US)
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
@@ -777,16 +786,44 @@ class Server:
         """Answer a whole SUBMIT ``overloaded`` at once, before its payloads are looked at: the
         client socket has been backlogged longer than ``limits.max_backlog_ms`` (or half the SLO:
         the loop is behind), or the model is at its admission window (the executors are).
-        Costs a reply per message, nothing per request: shedding must be far cheaper than serving,
-        or past its ceiling the daemon spends itself on requests that are already late."""
+        Costs at most a reply per message, nothing per request (a backlog's sheds share one reply
+        per client and wake-up): shedding must be far cheaper than serving, or past its ceiling
+        the daemon spends itself on requests that are already late."""
         n = len(ids)
         st.rejected[wire.OVERLOADED] += n
         self.counters[wire.OVERLOADED] += n
         self.counters["shed_messages"] += 1
         self.counters[f"shed_{cause}"] += n  # backlog, share (fair admission), window or queue (max_pending)
+        if cause == "backlog":
+            # A backlog is a flood: its sheds are answered together when this wake-up of the
+            # client reader ends (at most CLIENT_SLICE_US later), one reply per client rather
+            # than one per message, the largest cost of shedding
+            later = self._shed_later.get(ident)
+            if later is None:
+                self._shed_later[ident] = later = (list(ids), [t], detail)
+            else:
+                later[0].extend(ids)
+                later[1].append(t)
+            if len(later[0]) >= SHED_REPLY_IDS:
+                self._flush_sheds(ident)
+            return
         send_parts(self.client, [ident, wire.reply(ids, Status.REJECTED, wire.OVERLOADED, detail)])
         self.shed_us[self.n_shed & (SHED_SAMPLES - 1)] = now_us() - t
         self.n_shed += 1
+
+    def _flush_sheds(self, only: bytes | None = None) -> None:
+        """Send the backlog sheds held back during this wake-up (see :meth:`_shed`), or only
+        those of client ``only``."""
+        if only is None:
+            later, self._shed_later = self._shed_later, {}
+        else:
+            later = {only: self._shed_later.pop(only)}
+        for ident, (ids, ts, detail) in later.items():
+            send_parts(self.client, [ident, wire.reply(ids, Status.REJECTED, wire.OVERLOADED, detail)])
+            t = now_us()
+            for t0 in ts:
+                self.shed_us[self.n_shed & (SHED_SAMPLES - 1)] = t - t0
+                self.n_shed += 1
 
     def _reject(self, ident: bytes, cids: list[int], reason: str, st: ModelStats | None,
                 detail: str = "") -> None:
@@ -824,6 +861,8 @@ class Server:
             st.high[2] += 1
 
     def after_clients(self) -> None:
+        if self._shed_later:
+            self._flush_sheds()
         due = self._burst_start
         self._burst_start = 0
         if self._dirty_decide:
