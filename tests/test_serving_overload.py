@@ -149,6 +149,13 @@ def test_a_backlogs_sheds_are_answered_together_per_client_each_id_once(tmp_path
         st = srv.status()
         assert st["counters"]["shed_messages"] == 3 and st["shed_us"]["n"] == 3
         assert not srv._shed_later
+        # a shed held SHED_HOLD_US goes out with the next one, wake-up over or not
+        for k, dt in ((4, 0), (5, S.SHED_HOLD_US)):
+            rig.t += dt
+            send_parts(rig.cl, [wire.submit(tiny.MODEL, 0, [100 * k]), b"a"])
+            assert srv.client.poll(1000)
+            srv.on_client(L.recv_parts(srv.client, 0))
+        assert [h.ids for h in _replies(rig)] == [[400, 500]]
     finally:
         rig.close()
 

@@ -69,6 +69,7 @@ CLIENT_PACE_AFTER_US = 5000
 CLIENT_FLOOD_DUTY = 0.5
 BURST_DECIDE_US = 200
 SHED_REPLY_IDS = 4096  # a reply of held-back backlog sheds carries at most about this many ids
+SHED_HOLD_US = 200  # and waits at most about this long for more (a refusal stays prompt)
 _ACTION_VIEWS = ("path", "n_hops", "req_start", "bs", "res_start", "n_res_of", "finish_us", "model", "handle",
                  "kind", "hop", "start_us", "req_id", "drop_id", "drop_reason")
 OFFSET_SAMPLES = 16
@@ -559,7 +560,10 @@ class Server:
         self._on_client(msg, t)
         if self._dirty_decide and t - self._burst_start > BURST_DECIDE_US:
             # a long burst: decide now rather than after it, so early requests do not wait for
-            # it; after this message, so an answer to it is not held up by the decision
+            # it; after this message, so an answer to it is not held up by the decision (nor
+            # the refusals held back for one reply)
+            if self._shed_later:
+                self._flush_sheds()
             self.decide(self._burst_start)
             self._burst_start = 0
 
@@ -795,16 +799,16 @@ class Server:
         self.counters["shed_messages"] += 1
         self.counters[f"shed_{cause}"] += n  # backlog, share (fair admission), window or queue (max_pending)
         if cause == "backlog":
-            # A backlog is a flood: its sheds are answered together when this wake-up of the
-            # client reader ends (at most CLIENT_SLICE_US later), one reply per client rather
-            # than one per message, the largest cost of shedding
+            # A backlog is a flood: its sheds are answered together, one reply per client
+            # rather than one per message (the largest cost of shedding), when the client
+            # reader's wake-up ends or the first of them has waited SHED_HOLD_US
             later = self._shed_later.get(ident)
             if later is None:
                 self._shed_later[ident] = later = (list(ids), [t], detail)
             else:
                 later[0].extend(ids)
                 later[1].append(t)
-            if len(later[0]) >= SHED_REPLY_IDS:
+            if len(later[0]) >= SHED_REPLY_IDS or t - later[1][0] >= SHED_HOLD_US:
                 self._flush_sheds(ident)
             return
         send_parts(self.client, [ident, wire.reply(ids, Status.REJECTED, wire.OVERLOADED, detail)])
