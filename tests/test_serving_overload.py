@@ -45,9 +45,9 @@ def _replies(rig: Rig) -> list[list]:
     return [wire.decode(m[0]) for m in rig.drain(rig.cl)]
 
 
-def test_reader_budget_and_backlog_clock(monkeypatch):
-    """A wake-up stops at its time budget and the next turn goes on; ``busy_since`` keeps the start
-    of the run until a wake-up finds the socket empty."""
+@pytest.fixture
+def ticking(monkeypatch):
+    """The readers' clock moves 100 µs each time it is read."""
     clock = [1_000]
 
     def tick() -> int:
@@ -55,6 +55,11 @@ def test_reader_budget_and_backlog_clock(monkeypatch):
         return clock[0]
 
     monkeypatch.setattr(L, "now_us", tick)
+
+
+def test_reader_budget_and_backlog_clock(ticking):
+    """A wake-up stops at its time budget and the next turn goes on; ``busy_since`` keeps the start
+    of the run until a wake-up finds the socket empty."""
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     b.bind("inproc://budget")
@@ -160,16 +165,9 @@ def test_a_backlogs_sheds_are_answered_together_per_client_each_id_once(tmp_path
         rig.close()
 
 
-def test_a_reader_behind_for_long_rests_between_wake_ups(monkeypatch):
+def test_a_reader_behind_for_long_rests_between_wake_ups(ticking):
     """Past ``pace_after_us`` behind, a wake-up cut by its budget is followed by a rest (a flood
     gets at most ``duty`` of the loop); every message is still handled, in order."""
-    clock = [1_000]
-
-    def tick() -> int:
-        clock[0] += 100
-        return clock[0]
-
-    monkeypatch.setattr(L, "now_us", tick)
     ctx = zmq.Context()
     got: dict[str, list[bytes]] = {}
     paced: dict[str, int] = {}
