@@ -90,7 +90,8 @@ def _same(k, r):
     kd, kx, kw = k
     rd, rx, rw = r
     assert kx == rx
-    assert kw == rw
+    # the wake-up time: the same sums, which a fresh compile may round differently in the last bit
+    assert kw == pytest.approx(rw, rel=1e-12, abs=1e-9)
     assert len(kd) == len(rd)
     for a, b in zip(kd, rd, strict=True):
         assert a[:7] == b[:7], (a, b)
