@@ -153,7 +153,7 @@ def ingest(args: argparse.Namespace) -> dict:
             "overloaded_client_p99_ms": m["reject_latency_ms"].get("overloaded", {}).get("p99"),
             # whole messages refused, by why: client socket backlog, admission window, max_pending
             "shed_by_cause": {k: after["counters"].get(f"shed_{k}", 0) - before["counters"].get(f"shed_{k}", 0)
-                              for k in ("backlog", "window", "queue")},
+                              for k in ("backlog", "share", "window", "queue")},
             "client_p50_ms": tot["p50_ms"], "client_p99_ms": tot["p99_ms"],
             "overhead_p50_us": ov.get("p50"), "overhead_p99_us": ov.get("p99"),
             "overhead_p999_us": ov.get("p999"), "overhead_samples": ov.get("n"),
