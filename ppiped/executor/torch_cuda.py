@@ -33,7 +33,7 @@ class TorchBackend(_TensorBackend):
     def load(self) -> None:
         import onnx
 
-        from ..profiler.backends.torch_cuda import OnnxProgram, device_input, import_torch
+        from ..profiler.backends.torch_cuda import OnnxProgram, import_torch
 
         if self.split > 1:  # MPS reads it when this process creates its first CUDA context
             os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(100 // self.split))
@@ -47,7 +47,6 @@ class TorchBackend(_TensorBackend):
             raise InputError(f"{part.source}: the graph's inputs {self.prog.inputs} are not the partition's "
                              f"{sorted(by_name)}")
         self.specs = [by_name[n] for n in self.prog.inputs]  # in the order the program takes them
-        self._device_input = device_input
         self.stream = torch.cuda.Stream()
         self.wide = [spec.dtype == np.float32 for spec in part.outputs]
         # requests arrive in read-only frames: each tensor staged through pinned host memory to
@@ -67,8 +66,10 @@ class TorchBackend(_TensorBackend):
         g = self.graphs.get(bs)
         if g is not None:
             return g
+        from ..profiler.backends.torch_cuda import device_input
+
         torch = self.torch
-        xs = [self._device_input(torch, bs, spec.shape) for spec in self.specs]
+        xs = [device_input(torch, bs, spec.shape) for spec in self.specs]
         with torch.inference_mode():
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):

@@ -60,7 +60,7 @@ class DagWorkload:
         n = len(times_us)
         dq_i = np.zeros((n, E.DQ_SIZE), dtype=np.int64)
         dq_i[:, E.DQ_QUERY] = -1
-        dq_f = np.zeros((n, E.DF_SIZE))
+        dq_f = np.empty((n, E.DF_SIZE))
         dq_f[:, E.DF_DL] = times_us + slo_us[model] if n else 0.0
         dq_f[:, E.DF_DC] = dq_f[:, E.DF_DL]
         return cls(times_us, model, priority, n, dq_i, dq_f, np.zeros(1, dtype=np.int64),
