@@ -37,6 +37,7 @@ from ..cluster import Cluster
 from ..plan import gpus_used
 from .bounds import fluid_bound, knapsack_bound, model_instances
 from .configs import PipelineConfig
+from .lagrange import lagrangian_bound, model_pools
 
 log = logging.getLogger(__name__)
 
@@ -198,10 +199,12 @@ def solve_allocation(
     Phases, each skipped once an incumbent meets the best bound: the LP relaxation (a bound
     and GPU prices); knapsack bounds (:mod:`.bounds`) under the LP's prices and a few others,
     whose purchases are incumbents when they fit; a MILP restricted to a kernel of promising
-    configurations, for a good incumbent quickly; and the full MILP, warm-started from the
-    incumbent with ``z`` capped by the bound, until ``time_limit_s``. The knapsack bound is
-    usually the optimum, so most instances end without the full MILP; where it is not, the
-    status is "feasible" and the gap is measured against the best bound found.
+    configurations, for a good incumbent quickly; the Lagrangian bound with PPipe's per-model
+    whole-GPU rounding (:mod:`.lagrange`), which closes most of what is left when several GPU
+    types bind; and the full MILP, warm-started from the incumbent with ``z`` capped by the
+    bound, until ``time_limit_s``. The knapsack bound is usually the optimum, so most instances
+    end without the full MILP; where it is not, the status is "feasible" and the gap is
+    measured against the best bound found.
     """
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
@@ -234,6 +237,9 @@ def solve_allocation(
         S.keep |= {id(c) for cs in configs.values() for c in cs if len(c.segments) == 1}
         S.restricted(min(_RESTRICTED_MAX_S, max(_RESTRICTED_S, _RESTRICTED_SHARE * (deadline - time.perf_counter()))))
         S.lap("restricted")
+    if not S.done() and not share_gpus:
+        S.lagrange(lp_prices, time.perf_counter() + _LAGRANGE_SHARE * (deadline - time.perf_counter()))
+        S.lap("lagrange")
     status = "optimal" if S.done() else "feasible"
     stats = (0, 0, 0)
     if not S.done() and time.perf_counter() < deadline:
@@ -280,6 +286,8 @@ _DEADLINE_MARGIN_S = 1.0
 _RESTRICTED_S = 1.0
 _RESTRICTED_SHARE = 0.1
 _RESTRICTED_MAX_S = 5.0
+# The Lagrangian bound may take this share of what is left before the full MILP.
+_LAGRANGE_SHARE = 0.3
 # Configurations per model, cheapest per request/s at the LP's prices, in the restricted MILP.
 _TOP_K = 8
 
@@ -308,6 +316,7 @@ class _Search:
         self.phases: dict = {}
         self.price_tries = 0
         self.instances = None
+        self.knapsack_prices: dict[str, float] | None = None
         self._t = t0
 
     def lap(self, phase: str) -> None:
@@ -337,6 +346,7 @@ class _Search:
                             round_per_model=not self.share_gpus)
         if kb.bound < self.bound:
             self.bound = kb.bound
+            self.knapsack_prices = prices
             # The bound is checkable: knapsack_bound() with these prices gives it again.
             self.phases["bound_by"] = "knapsack"
             self.phases["bound_prices"] = {str(k): v for k, v in prices.items()}
@@ -344,6 +354,27 @@ class _Search:
         guess = _merge_picks(kb.picks)
         self.offer(guess, "knapsack")
         self.keep |= {id(a.config) for a in guess}
+
+    def lagrange(self, lp_prices: dict[str, float], until: float) -> None:
+        """Tighten the bound with PPipe's whole-GPU rounding per model kept (:mod:`.lagrange`)
+        at the LP's prices, then at the best knapsack's, searching between the incumbent and
+        the bound until ``until`` at most."""
+        pools = {mm: model_pools(mm, cs, self.cluster) for mm, cs in self.configs.items()}
+        tries = [lp_prices]
+        if self.knapsack_prices not in (None, lp_prices):
+            tries.append(self.knapsack_prices)
+        runs = []
+        for prices in tries:
+            if self.done() or time.perf_counter() >= until:
+                break
+            b, stats = lagrangian_bound(pools, self.weights, self.cluster, prices, max(0.0, self.best_z),
+                                        self.bound, deadline=min(until, self.deadline))
+            runs.append(stats)
+            if b < self.bound:
+                self.bound = b
+                self.phases["bound_by"] = "lagrange"
+                self.phases["bound_prices"] = {str(k): v for k, v in prices.items()}
+        self.phases["lagrange"] = runs
 
     def restricted(self, seconds: float) -> None:
         """A MILP over the kept configurations only, for a quick good incumbent."""
@@ -394,12 +425,13 @@ KILL_GRACE_S = 3.0
 
 
 def _cbc(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start,
-         share_gpus) -> _CbcResult:
+         share_gpus, caps=None) -> _CbcResult:
     """One CBC run on the MILP over ``configs`` (in a child, killed ``KILL_GRACE_S`` after
-    ``time_limit_s``); the child sends back only indices and counts."""
+    ``time_limit_s``); the child sends back only indices and counts. ``caps``: most GPUs per
+    rounding group (type, partition index, model), for a run inside a chosen split."""
     def run():
         out = _cbc_in_process(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap,
-                              start, share_gpus)
+                              start, share_gpus, caps)
         index = _index(configs)
         return (out.status, [(index[id(a.config)], a.vgpus) for a in out.allocs], out.objective,
                 out.bound, out.num_vars, out.num_int, out.num_constrs)
@@ -435,10 +467,10 @@ def _lp_relaxation(configs, weights, cluster, threads, share_gpus):
 
 
 def _cbc_in_process(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start,
-                    share_gpus) -> _CbcResult:
+                    share_gpus, caps=None) -> _CbcResult:
     """The CBC run itself, with ``z`` capped by a known bound."""
     B = _build(configs, weights, cluster, integer=True, z_cap=z_cap * (1 + 1e-9) + 1e-9, threads=threads,
-               share_gpus=share_gpus)
+               share_gpus=share_gpus, caps=caps)
     m = B.model
     m.max_mip_gap = rel_gap
     m.max_mip_gap_abs = 1e-6
@@ -512,7 +544,7 @@ class _Built:
 
 
 def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | None, threads: int,
-           share_gpus: bool = False) -> _Built:
+           share_gpus: bool = False, caps: dict | None = None) -> _Built:
     """The MILP (or its LP relaxation). ``z_cap`` is a known bound on the objective.
 
     With a cap, no model needs more than weight × cap: pipelines and pools may be bounded by
@@ -560,7 +592,8 @@ def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | Non
     per_type: dict[str, list[mip.Var]] = defaultdict(list)
     for key, terms in pool_use.items():
         g = key[0]
-        G = m.add_var(f"G{len(per_type[g])}_{g}", var_type=kind, lb=0, ub=cluster.gpus[g].count)
+        top = cluster.gpus[g].count if caps is None else min(cluster.gpus[g].count, caps.get(key, 0))
+        G = m.add_var(f"G{len(per_type[g])}_{g}", var_type=kind, lb=0, ub=top)
         # Integer coefficients (in 1/lcm of the splits) let CBC derive knapsack and MIR cuts.
         lcm = math.lcm(*(round(1 / coef) for coef, _ in terms))
         m += mip.xsum(round(coef * lcm) * n for coef, n in terms) <= lcm * G

@@ -1,0 +1,362 @@
+"""A Lagrangian bound that keeps PPipe's whole-GPU rounding per (model, partition index, type).
+
+With three or four binding GPU types the MILP's gap is the rounding of each model's pools up to
+whole GPUs, and neither the LP relaxation (blind to it) nor the knapsack bound of :mod:`.bounds`
+(which keeps whole vGPUs but drops the rounding) sees it. This bound keeps the rounding and
+relaxes the rest: price the GPU types; then each model alone buys the cheapest integer GPU
+counts ``G_p`` per pool ``p`` = (partition index, type) whose fluid throughput (vGPU counts
+continuous) reaches its share of ``z``. A plan serving ``z`` gives every model such counts, and
+their priced sum is at most the priced cluster; so the largest ``z`` whose model costs fit is an
+upper bound on the optimum, for any non-negative prices.
+
+Each model's problem is a small integer program: 6-12 integer pool sizes and a continuous flow
+over its configurations. CBC needs 0.1-15 s for one; the branch-and-bound here, with a dense
+simplex compiled by numba (a dozen rows), needs milliseconds, which is what makes the bound
+affordable inside a plan's time limit. A node cap keeps it bounded: a search cut short returns
+the smallest bound of its open nodes, still a valid lower bound on the cost.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from ..cluster import Cluster
+from .configs import PipelineConfig
+
+# Relative tolerance of the branch-and-bound: a node is pruned when its LP cost is within this
+# of the incumbent; the cost returned is lowered by it, so the bound stays valid.
+_REL_TOL = 1e-9
+# Nodes one model's search may open before it stops with the best bound of its open nodes,
+# as configurations × nodes (a node's LP costs about its configurations' count).
+WORK_CAP = 1_000_000
+
+
+@dataclass
+class ModelPools:
+    """One model's configurations as a matrix: GPUs of pool ``p`` per request/s of config ``c``."""
+
+    model: str
+    pools: list[tuple[int, str]]  # (partition index, GPU type)
+    use: np.ndarray  # [configs, pools]
+    count: np.ndarray  # GPUs of each pool's type in the cluster (the pool's upper bound)
+
+
+def model_pools(model: str, configs: list[PipelineConfig], cluster: Cluster) -> ModelPools:
+    """The use matrix of ``configs``. A tied (DART-r) configuration runs every partition at the
+    slowest one's rate, so each of its partitions holds its vGPUs for that rate."""
+    pools = sorted({(d, s.gpu) for c in configs for d, s in enumerate(c.segments)})
+    col = {p: i for i, p in enumerate(pools)}
+    use = np.zeros((len(configs), len(pools)))
+    for i, c in enumerate(configs):
+        slow = min(s.rps_per_vgpu for s in c.segments)
+        for d, s in enumerate(c.segments):
+            rate = slow if c.tied else s.rps_per_vgpu
+            use[i, col[(d, s.gpu)]] += 1.0 / (rate * s.split)
+    count = np.array([float(cluster.gpus[g].count) for _, g in pools])
+    return ModelPools(model, pools, _undominated(use), count)
+
+
+def _undominated(use: np.ndarray) -> np.ndarray:
+    """The rows no other row beats: with vGPU counts continuous, a configuration that needs at
+    least as much of every pool as another (splits and batch sizes no longer matter) can go."""
+    keep = []
+    order = np.lexsort(use.T[::-1])
+    use = use[order]
+    for i in range(len(use)):
+        if not keep:
+            keep.append(i)
+            continue
+        k = use[keep]
+        if not np.any(np.all(k <= use[i], axis=1)):
+            keep.append(i)
+    return use[keep]
+
+
+def min_cost(mp: ModelPools, prices: Mapping[str, float], demand: float,
+             node_cap: int | None = None) -> tuple[float, np.ndarray, int]:
+    """Lower bound on the cheapest whole-GPU pool counts serving ``demand`` requests/s (exact
+    unless the node cap was hit), the counts found, and the nodes opened; inf when the cluster
+    cannot serve it."""
+    pi = np.array([max(0.0, float(prices.get(g, 0.0))) for _, g in mp.pools])
+    if demand <= 0:
+        return 0.0, np.zeros(len(mp.pools)), 0
+    if node_cap is None:
+        node_cap = max(200, WORK_CAP // max(1, len(mp.use)))
+    return _branch_and_bound(mp.use * demand, pi, mp.count, node_cap)
+
+
+def lagrangian_bound(pools: dict[str, ModelPools], weights: Mapping[str, float], cluster: Cluster,
+                     prices: Mapping[str, float], lo: float, hi: float, rel_tol: float = 1e-7,
+                     node_cap: int | None = None, deadline: float = math.inf) -> tuple[float, dict]:
+    """Smallest ``z`` in (lo, hi] found not to fit at ``prices`` (``hi`` if all of it fits).
+
+    ``lo`` must be achievable (an incumbent's objective): the relaxation of a feasible plan
+    always fits, so the search only narrows (lo, hi]. It stops at ``deadline``
+    (``time.perf_counter()``) with the bound it has. Returns the bound and what it cost.
+    """
+    budget = sum(max(0.0, float(prices.get(g, 0.0))) * t.count for g, t in cluster.gpus.items())
+    stats = {"solves": 0, "nodes": 0}
+
+    def fits(z: float) -> bool | None:
+        """Whether ``z`` fits the priced cluster; None when the deadline came first."""
+        total = 0.0
+        for mm, mp in pools.items():
+            if time.perf_counter() > deadline:
+                return None
+            c, _, nodes = min_cost(mp, prices, weights[mm] * z, node_cap)
+            stats["solves"] += 1
+            stats["nodes"] += nodes
+            total += c
+            if total > budget * (1 + 1e-12) + 1e-12:
+                return False
+        return True
+
+    if budget <= 0 or hi <= lo:
+        return hi, stats
+    step = rel_tol * hi
+    while hi - lo > step:
+        mid = 0.5 * (lo + hi)
+        ok = fits(mid)
+        if ok is None:
+            stats["stopped"] = True
+            break
+        if ok:
+            lo = mid
+        else:
+            hi = mid
+    return hi, stats
+
+
+# ---------------------------------------------------------------- the compiled search
+
+@numba.njit(cache=True)
+def _pivot(T, b, obj, basis, r, j):
+    """Pivot the tableau on row ``r``, column ``j`` (the objective row ``obj`` included)."""
+    m, ncol = T.shape
+    piv = T[r, j]
+    for k in range(ncol):
+        T[r, k] /= piv
+    b[r] /= piv
+    for i in range(m):
+        if i != r:
+            f = T[i, j]
+            if f != 0.0:
+                for k in range(ncol):
+                    T[i, k] -= f * T[r, k]
+                b[i] -= f * b[r]
+    f = obj[j]
+    if f != 0.0:
+        for k in range(ncol):
+            obj[k] -= f * T[r, k]
+        obj[ncol] -= f * b[r]
+    basis[r] = j
+
+
+@numba.njit(cache=True)
+def _simplex(T, b, obj, basis, allowed):
+    """Primal simplex on a feasible tableau: Dantzig's rule, Bland's once it stalls. Returns
+    False if it ran out of iterations (never seen; the caller then treats the node as open)."""
+    m, ncol = T.shape
+    limit = 50 * (m + ncol)
+    for it in range(limit):
+        bland = it > 5 * (m + ncol)
+        j = -1
+        best = -1e-10
+        for k in range(ncol):
+            if allowed[k] and obj[k] < best:
+                j = k
+                if bland:
+                    break
+                best = obj[k]
+        if j < 0:
+            return True
+        r = -1
+        ratio = np.inf
+        for i in range(m):
+            if T[i, j] > 1e-11:
+                q = b[i] / T[i, j]
+                if q < ratio - 1e-12 or (q <= ratio + 1e-12 and r >= 0 and basis[i] < basis[r]):
+                    ratio = q
+                    r = i
+        if r < 0:
+            return False  # unbounded: cannot happen, every configuration uses a bounded pool
+        _pivot(T, b, obj, basis, r, j)
+    return False
+
+
+@numba.njit(cache=True)
+def _node_lp(A, pi, L, U, G):
+    """LP of a node: min pi·G with A^T x <= G, sum(x) >= 1, L <= G <= U. Writes G; returns the
+    cost, or inf when infeasible (nan when the simplex gave up)."""
+    n, P = A.shape
+    m = 2 * P + 1
+    ncol = n + 3 * P + 2
+    T = np.zeros((m, ncol))
+    b = np.zeros(m)
+    basis = np.empty(m, dtype=np.int64)
+    # columns: x (n) | e = G - L (P) | capacity slacks (P) | upper slacks (P) | shortfall s | surplus t
+    for p in range(P):
+        for c in range(n):
+            T[p, c] = A[c, p]
+        T[p, n + p] = -1.0
+        T[p, n + P + p] = 1.0
+        b[p] = L[p]
+        basis[p] = n + P + p
+        T[P + p, n + p] = 1.0
+        T[P + p, n + 2 * P + p] = 1.0
+        b[P + p] = U[p] - L[p]
+        basis[P + p] = n + 2 * P + p
+    for c in range(n):
+        T[2 * P, c] = 1.0
+    T[2 * P, n + 3 * P] = 1.0
+    T[2 * P, n + 3 * P + 1] = -1.0
+    b[2 * P] = 1.0
+    basis[2 * P] = n + 3 * P
+    allowed = np.ones(ncol, dtype=np.bool_)
+    # phase 1: drive the shortfall to zero
+    obj = np.zeros(ncol + 1)
+    obj[n + 3 * P] = 1.0
+    for k in range(ncol):
+        obj[k] -= T[2 * P, k]
+    obj[ncol] = -b[2 * P]
+    if not _simplex(T, b, obj, basis, allowed):
+        return np.nan
+    if -obj[ncol] > 1e-9:
+        return np.inf
+    # phase 2: the pool costs; the shortfall never re-enters
+    allowed[n + 3 * P] = False
+    obj[:] = 0.0
+    for p in range(P):
+        obj[n + p] = pi[p]
+    for i in range(m):
+        cb = obj[basis[i]]
+        if cb != 0.0:
+            for k in range(ncol):
+                obj[k] -= cb * T[i, k]
+            obj[ncol] -= cb * b[i]
+    if not _simplex(T, b, obj, basis, allowed):
+        return np.nan
+    for p in range(P):
+        G[p] = L[p]
+    for i in range(m):
+        k = basis[i]
+        if n <= k < n + P:
+            G[k - n] += b[i]
+    cost = 0.0
+    for p in range(P):
+        cost += pi[p] * G[p]
+    return cost
+
+
+@numba.njit(cache=True)
+def _branch_and_bound(A, pi, count, node_cap):
+    """Cheapest integer G (0 <= G <= count) whose fluid throughput A^T x <= G reaches 1.
+
+    Depth-first; each node's LP solution rounded up is an incumbent (rounding G up keeps the
+    flow feasible). Returns (a lower bound on the optimum, the best G, nodes opened)."""
+    n, P = A.shape
+    depth = 1
+    for p in range(P):
+        depth += int(count[p]) + 1
+    stack_L = np.zeros((depth + 1, P))
+    stack_U = np.zeros((depth + 1, P))
+    stack_bound = np.zeros(depth + 1)
+    top = 0
+    for p in range(P):
+        stack_U[0, p] = count[p]
+        if pi[p] <= 0.0:  # a free pool: take all of it
+            stack_L[0, p] = count[p]
+    stack_bound[0] = 0.0
+    top = 1
+    best = np.inf
+    best_G = np.zeros(P)
+    G = np.zeros(P)
+    Gc = np.zeros(P)
+    open_bound = np.inf  # smallest bound of nodes left unexplored (cap or a failed LP)
+    nodes = 0
+    scale = 0.0
+    for p in range(P):
+        scale += pi[p] * count[p]
+    tol = _REL_TOL * (scale + 1.0)
+    while top > 0:
+        top -= 1
+        L = stack_L[top].copy()
+        U = stack_U[top].copy()
+        parent = stack_bound[top]
+        if parent >= best - tol:
+            continue
+        if nodes >= node_cap:
+            open_bound = min(open_bound, parent)
+            continue
+        nodes += 1
+        cost = _node_lp(A, pi, L, U, G)
+        if np.isnan(cost):
+            open_bound = min(open_bound, parent)
+            continue
+        if cost >= best - tol:
+            continue
+        rc = 0.0
+        for p in range(P):
+            Gc[p] = min(U[p], math.ceil(G[p] - 1e-7))
+            rc += pi[p] * Gc[p]
+        if rc < best:
+            best = rc
+            best_G[:] = Gc
+        if rc <= cost + tol:
+            continue
+        # branch on the fractional pool whose rounding costs most
+        jb = -1
+        wb = 0.0
+        for p in range(P):
+            f = G[p] - math.floor(G[p] + 1e-7)
+            if f > 1e-7:
+                w = pi[p] * (1.0 - f)
+                if w > wb:
+                    wb = w
+                    jb = p
+        if jb < 0:
+            continue
+        v = G[jb]
+        # up child below the down child, so the cheaper (down) side is searched first
+        stack_L[top] = L
+        stack_U[top] = U
+        stack_L[top, jb] = math.ceil(v - 1e-7)
+        stack_bound[top] = cost
+        top += 1
+        stack_L[top] = L
+        stack_U[top] = U
+        stack_U[top, jb] = math.floor(v + 1e-7)
+        stack_bound[top] = cost
+        top += 1
+    lower = min(best, open_bound) - tol
+    return lower, best_G, nodes
+
+
+@numba.njit(cache=True)
+def fluid_throughput(A, G):
+    """Most requests/s the pools ``G`` carry together (vGPU counts continuous): max sum(x)
+    with A^T x <= G, x >= 0, by the simplex from the origin."""
+    n, P = A.shape
+    ncol = n + P
+    T = np.zeros((P, ncol))
+    b = np.zeros(P)
+    basis = np.empty(P, dtype=np.int64)
+    for p in range(P):
+        for c in range(n):
+            T[p, c] = A[c, p]
+        T[p, n + p] = 1.0
+        b[p] = G[p]
+        basis[p] = n + p
+    obj = np.zeros(ncol + 1)
+    for c in range(n):
+        obj[c] = -1.0
+    allowed = np.ones(ncol, dtype=np.bool_)
+    if not _simplex(T, b, obj, basis, allowed):
+        return 0.0
+    return obj[ncol]

@@ -1,0 +1,165 @@
+"""The Lagrangian bound with whole-GPU rounding per model (ppiped/planner/lagrange.py).
+
+Its per-model oracle is checked against CBC solving the same small integer program, and the
+bound against CBC's proven optimum of the full MILP, on generated configurations with three GPU
+types (no shared data needed).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+
+import mip
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+from ppiped.cluster import cluster_from_flags
+from ppiped.planner import lagrange, milp
+from ppiped.planner.configs import PipelineConfig, Segment
+
+TYPES = ("A", "B", "C")
+
+
+@st.composite
+def instances(draw, max_models=2):
+    """(configs, weights, cluster): 1-``max_models`` models, each with 2-6 pipelines of 1-2
+    partitions over three GPU types with 2-6 GPUs and splits 1, 2 or 4."""
+    counts = [draw(st.integers(2, 6), label=f"{g} GPUs") for g in TYPES]
+    cluster = cluster_from_flags(",".join(f"{g}:{n}" for g, n in zip(TYPES, counts, strict=True)),
+                                 "1,1,1", "4,4,4", 10.0)
+    configs, weights = {}, {}
+    for mi in range(draw(st.integers(1, max_models), label="models")):
+        name = f"m{mi}"
+        cs = []
+        for _ in range(draw(st.integers(2, 6), label=f"{name} pipelines")):
+            segs = []
+            for d in range(draw(st.integers(1, 2))):
+                split = draw(st.sampled_from([1, 2, 4]))
+                rps_gpu = draw(st.floats(10.0, 200.0))
+                segs.append(Segment(d, d + 1, draw(st.sampled_from(TYPES)), split, 1.0, 0.0, rps_gpu / split))
+            cs.append(PipelineConfig(name, 1, tuple(segs), 1.0))
+        configs[name] = cs
+        weights[name] = draw(st.sampled_from([0.5, 1.0, 2.0]))
+    return configs, weights, cluster
+
+
+def _cbc_min_cost(configs, cluster, prices, demand):
+    """The oracle's problem written as a MILP for CBC (in a child, like every CBC run here)."""
+    def run():
+        m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
+        m.verbose = 0
+        pools = defaultdict(list)
+        xs = []
+        for c in configs:
+            x = m.add_var(lb=0)
+            xs.append(x)
+            for d, s in enumerate(c.segments):
+                pools[(d, s.gpu)].append(x * (1.0 / s.rps_per_gpu))
+        cost = []
+        for (_d, g), use in pools.items():
+            G = m.add_var(var_type=mip.INTEGER, lb=0, ub=cluster.gpus[g].count)
+            m += mip.xsum(use) <= G
+            cost.append(prices[g] * G)
+        m += mip.xsum(xs) >= demand
+        m.objective = mip.minimize(mip.xsum(cost))
+        m.max_mip_gap, m.max_mip_gap_abs = 1e-10, 1e-10
+        with milp.quiet_stdout():
+            st_ = m.optimize(max_seconds=20)
+        if st_ == mip.OptimizationStatus.INFEASIBLE:
+            return math.inf
+        assert st_ == mip.OptimizationStatus.OPTIMAL, st_
+        return float(m.objective_value)
+
+    out, how = milp.in_child(run, 30.0)
+    assert how == "ok", how
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inst=instances(max_models=1), prices=st.lists(st.floats(0.0, 5.0), min_size=3, max_size=3),
+       share=st.floats(0.05, 1.2))
+def test_the_oracle_matches_cbc_on_the_same_integer_program(inst, prices, share):
+    configs, _, cluster = inst
+    (name, cs), = configs.items()
+    price = dict(zip(TYPES, prices, strict=True))
+    mp = lagrange.model_pools(name, cs, cluster)
+    capacity = lagrange.fluid_throughput(mp.use, mp.count)
+    demand = share * capacity
+    note(f"capacity {capacity} demand {demand}")
+    got, G, _ = lagrange.min_cost(mp, price, demand)
+    want = _cbc_min_cost(cs, cluster, price, demand)
+    if math.isinf(want):
+        assert math.isinf(got)
+        return
+    assert got <= want + 1e-6 * (1 + want)  # a lower bound...
+    assert got >= want - 1e-5 * (1 + want)  # ...and exact
+    # the counts it found are whole GPUs within the cluster that carry the demand
+    assert np.all(np.round(G) == G) and np.all(mp.count >= G)
+    assert lagrange.fluid_throughput(mp.use, G) >= demand * (1 - 1e-9)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inst=instances(max_models=2))
+def test_the_bound_never_cuts_off_cbcs_proven_optimum(inst):
+    configs, weights, cluster = inst
+    lp = milp._lp_relaxation(configs, weights, cluster, 1, False)
+    if lp[0] is None or lp[0] <= 0:
+        return
+    z_lp, prices = lp[0], lp[1]
+    full = milp._cbc(configs, weights, cluster, z_lp, 20.0, 1, 1e-9, [], False)
+    assert full.status == "optimal", full.status
+    pools = {mm: lagrange.model_pools(mm, cs, cluster) for mm, cs in configs.items()}
+    bound, _ = lagrange.lagrangian_bound(pools, weights, cluster, prices, 0.0, z_lp)
+    note(f"lp {z_lp} bound {bound} optimum {full.objective}")
+    assert full.objective <= bound * (1 + 1e-7) + 1e-9
+    assert bound <= z_lp
+
+
+def test_the_bound_sees_whole_gpu_rounding_that_the_lp_does_not():
+    """One model, one pipeline needing 0.6 GPUs of A per 100 requests/s: for 150 requests/s the
+    LP pays 0.9 GPUs, PPipe's rule 1; two models each get one of A's two GPUs."""
+    cluster = cluster_from_flags("A:2", "1", "1", 10.0)
+    configs = {m: [PipelineConfig(m, 1, (Segment(0, 1, "A", 1, 1.0, 0.0, 100 / 0.6),), 1.0)]
+               for m in ("m0", "m1")}
+    weights = {"m0": 1.0, "m1": 1.0}
+    pools = {mm: lagrange.model_pools(mm, cs, cluster) for mm, cs in configs.items()}
+    cost, G, _ = lagrange.min_cost(pools["m0"], {"A": 1.0}, 150.0)
+    assert cost == pytest.approx(1.0) and list(G) == [1.0]
+    bound, _ = lagrange.lagrangian_bound(pools, weights, cluster, {"A": 1.0}, 0.0, 400.0)
+    # the LP gives each model 1 GPU's worth (166.7 /s), and so does the rounding: equal here
+    assert bound == pytest.approx(100 / 0.6, rel=1e-6)
+    # three models on two GPUs: the LP splits 2/3 GPU each (111 /s); whole GPUs serve none
+    configs["m2"] = [PipelineConfig("m2", 1, (Segment(0, 1, "A", 1, 1.0, 0.0, 100 / 0.6),), 1.0)]
+    weights["m2"] = 1.0
+    pools["m2"] = lagrange.model_pools("m2", configs["m2"], cluster)
+    bound3, _ = lagrange.lagrangian_bound(pools, weights, cluster, {"A": 1.0}, 0.0, 2 * 100 / 0.6 / 3)
+    assert bound3 <= 1e-3
+
+
+def test_a_search_cut_short_still_returns_a_lower_bound():
+    cluster = cluster_from_flags("A:6,B:6,C:6", "1,1,1", "4,4,4", 10.0)
+    rng = np.random.default_rng(3)
+    cs = [PipelineConfig("m", 1, (Segment(0, 1, TYPES[i % 3], 4, 1.0, 0.0, float(rng.uniform(5, 50))),
+                                  Segment(1, 2, TYPES[(i + 1) % 3], 2, 1.0, 0.0, float(rng.uniform(5, 50)))), 1.0)
+          for i in range(9)]
+    mp = lagrange.model_pools("m", cs, cluster)
+    price = {"A": 1.0, "B": 1.3, "C": 0.7}
+    demand = 0.63 * lagrange.fluid_throughput(mp.use, mp.count)
+    exact, _, nodes = lagrange.min_cost(mp, price, demand)
+    cut, _, cut_nodes = lagrange.min_cost(mp, price, demand, node_cap=1)
+    assert cut_nodes == 1 and nodes >= 1
+    assert cut <= exact + 1e-9
+
+
+def test_a_passed_deadline_leaves_the_bound_where_it_was():
+    cluster = cluster_from_flags("A:2", "1", "1", 10.0)
+    configs = {"m": [PipelineConfig("m", 1, (Segment(0, 1, "A", 1, 1.0, 0.0, 100.0),), 1.0)]}
+    pools = {"m": lagrange.model_pools("m", configs["m"], cluster)}
+    b, stats = lagrange.lagrangian_bound(pools, {"m": 1.0}, cluster, {"A": 1.0}, 0.0, 500.0,
+                                         deadline=time.perf_counter() - 1)
+    assert b == 500.0 and stats["solves"] == 0
+
