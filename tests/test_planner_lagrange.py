@@ -27,7 +27,8 @@ TYPES = ("A", "B", "C")
 @st.composite
 def instances(draw, max_models=2):
     """(configs, weights, cluster): 1-``max_models`` models, each with 2-6 pipelines of 1-2
-    partitions over three GPU types with 2-6 GPUs and splits 1, 2 or 4."""
+    partitions over three GPU types with 2-6 GPUs and splits 1, 2 or 4, some of them tied
+    (DART-r: one vGPU count for every partition)."""
     counts = [draw(st.integers(2, 6), label=f"{g} GPUs") for g in TYPES]
     cluster = cluster_from_flags(",".join(f"{g}:{n}" for g, n in zip(TYPES, counts, strict=True)),
                                  "1,1,1", "4,4,4", 10.0)
@@ -41,7 +42,8 @@ def instances(draw, max_models=2):
                 split = draw(st.sampled_from([1, 2, 4]))
                 rps_gpu = draw(st.floats(10.0, 200.0))
                 segs.append(Segment(d, d + 1, draw(st.sampled_from(TYPES)), split, 1.0, 0.0, rps_gpu / split))
-            cs.append(PipelineConfig(name, 1, tuple(segs), 1.0))
+            tied = len(segs) > 1 and draw(st.booleans(), label="tied (DART-r)")
+            cs.append(PipelineConfig(name, 1, tuple(segs), 1.0, tied=tied))
         configs[name] = cs
         weights[name] = draw(st.sampled_from([0.5, 1.0, 2.0]))
     return configs, weights, cluster
@@ -57,8 +59,11 @@ def _cbc_min_cost(configs, cluster, prices, demand):
         for c in configs:
             x = m.add_var(lb=0)
             xs.append(x)
+            shared = m.add_var(lb=0)  # a tied pipeline's one vGPU count
             for d, s in enumerate(c.segments):
-                pools[(d, s.gpu)].append(x * (1.0 / s.rps_per_gpu))
+                n = shared if c.tied else m.add_var(lb=0)  # vGPUs, continuous here
+                m += x <= s.rps_per_vgpu * n
+                pools[(d, s.gpu)].append(n * (1.0 / s.split))
         cost = []
         for (_d, g), use in pools.items():
             G = m.add_var(var_type=mip.INTEGER, lb=0, ub=cluster.gpus[g].count)

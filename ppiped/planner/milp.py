@@ -425,13 +425,12 @@ KILL_GRACE_S = 3.0
 
 
 def _cbc(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start,
-         share_gpus, caps=None) -> _CbcResult:
+         share_gpus) -> _CbcResult:
     """One CBC run on the MILP over ``configs`` (in a child, killed ``KILL_GRACE_S`` after
-    ``time_limit_s``); the child sends back only indices and counts. ``caps``: most GPUs per
-    rounding group (type, partition index, model), for a run inside a chosen split."""
+    ``time_limit_s``); the child sends back only indices and counts."""
     def run():
         out = _cbc_in_process(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap,
-                              start, share_gpus, caps)
+                              start, share_gpus)
         index = _index(configs)
         return (out.status, [(index[id(a.config)], a.vgpus) for a in out.allocs], out.objective,
                 out.bound, out.num_vars, out.num_int, out.num_constrs)
@@ -467,10 +466,10 @@ def _lp_relaxation(configs, weights, cluster, threads, share_gpus):
 
 
 def _cbc_in_process(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start,
-                    share_gpus, caps=None) -> _CbcResult:
+                    share_gpus) -> _CbcResult:
     """The CBC run itself, with ``z`` capped by a known bound."""
     B = _build(configs, weights, cluster, integer=True, z_cap=z_cap * (1 + 1e-9) + 1e-9, threads=threads,
-               share_gpus=share_gpus, caps=caps)
+               share_gpus=share_gpus)
     m = B.model
     m.max_mip_gap = rel_gap
     m.max_mip_gap_abs = 1e-6
@@ -544,7 +543,7 @@ class _Built:
 
 
 def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | None, threads: int,
-           share_gpus: bool = False, caps: dict | None = None) -> _Built:
+           share_gpus: bool = False) -> _Built:
     """The MILP (or its LP relaxation). ``z_cap`` is a known bound on the objective.
 
     With a cap, no model needs more than weight × cap: pipelines and pools may be bounded by
@@ -592,8 +591,7 @@ def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | Non
     per_type: dict[str, list[mip.Var]] = defaultdict(list)
     for key, terms in pool_use.items():
         g = key[0]
-        top = cluster.gpus[g].count if caps is None else min(cluster.gpus[g].count, caps.get(key, 0))
-        G = m.add_var(f"G{len(per_type[g])}_{g}", var_type=kind, lb=0, ub=top)
+        G = m.add_var(f"G{len(per_type[g])}_{g}", var_type=kind, lb=0, ub=cluster.gpus[g].count)
         # Integer coefficients (in 1/lcm of the splits) let CBC derive knapsack and MIR cuts.
         lcm = math.lcm(*(round(1 / coef) for coef, _ in terms))
         m += mip.xsum(round(coef * lcm) * n for coef, n in terms) <= lcm * G
