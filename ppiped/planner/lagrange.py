@@ -65,6 +65,8 @@ def model_pools(model: str, configs: list[PipelineConfig], cluster: Cluster) -> 
 def _undominated(use: np.ndarray) -> np.ndarray:
     """The rows no other row beats: with vGPU counts continuous, a configuration that needs at
     least as much of every pool as another (splits and batch sizes no longer matter) can go."""
+    if len(use) == 0:
+        return use
     keep = []
     order = np.lexsort(use.T[::-1])
     use = use[order]
@@ -86,6 +88,8 @@ def min_cost(mp: ModelPools, prices: Mapping[str, float], demand: float,
     pi = np.array([max(0.0, float(prices.get(g, 0.0))) for _, g in mp.pools])
     if demand <= 0:
         return 0.0, np.zeros(len(mp.pools)), 0
+    if len(mp.use) == 0:
+        return math.inf, np.zeros(len(mp.pools)), 0
     if node_cap is None:
         node_cap = max(200, WORK_CAP // max(1, len(mp.use)))
     return _branch_and_bound(mp.use * demand, pi, mp.count, node_cap)
@@ -229,11 +233,15 @@ def _node_lp(A, pi, L, U, G):
         return np.nan
     if -obj[ncol] > 1e-9:
         return np.inf
-    # phase 2: the pool costs; the shortfall never re-enters
+    # phase 2: the pool costs. The shortfall never re-enters, and where phase 1 left it basic
+    # at a rounding-level zero, a price above any saving keeps it from growing back.
     allowed[n + 3 * P] = False
     obj[:] = 0.0
+    big = 1.0
     for p in range(P):
         obj[n + p] = pi[p]
+        big += pi[p] * U[p]
+    obj[n + 3 * P] = 1e6 * big
     for i in range(m):
         cb = obj[basis[i]]
         if cb != 0.0:
