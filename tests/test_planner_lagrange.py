@@ -111,7 +111,7 @@ def test_the_oracle_matches_cbc_on_the_same_integer_program(inst, prices, share)
     if math.isinf(want) and not math.isinf(got):
         # CBC 2.935's bound tightening calls some small feasible MILPs infeasible (and its
         # tolerances the exact boundary): then CBC's own LP must confirm the counts ours found
-        assert _cbc_min_cost(cs, cluster, price, demand * (1 - 1e-9), dict(zip(mp.pools, G)))
+        assert _cbc_min_cost(cs, cluster, price, demand * (1 - 1e-9), dict(zip(mp.pools, G, strict=True)))
         return
     if math.isinf(want):
         return

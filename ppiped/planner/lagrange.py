@@ -195,6 +195,19 @@ def _simplex(T, b, obj, basis, allowed):
 
 
 @numba.njit(cache=True)
+def _capacity_rows(T, b, basis, A, rhs, slack0):
+    """Rows p < P of a tableau: the configurations' use of pool p plus its slack (column
+    ``slack0 + p``, basic) equals ``rhs[p]``."""
+    n, P = A.shape
+    for p in range(P):
+        for c in range(n):
+            T[p, c] = A[c, p]
+        T[p, slack0 + p] = 1.0
+        b[p] = rhs[p]
+        basis[p] = slack0 + p
+
+
+@numba.njit(cache=True)
 def _node_lp(A, pi, L, U, G):
     """LP of a node: min pi·G with A^T x <= G, sum(x) >= 1, L <= G <= U. Writes G; returns the
     cost, or inf when infeasible (nan when the simplex gave up)."""
@@ -205,13 +218,9 @@ def _node_lp(A, pi, L, U, G):
     b = np.zeros(m)
     basis = np.empty(m, dtype=np.int64)
     # columns: x (n) | e = G - L (P) | capacity slacks (P) | upper slacks (P) | shortfall s | surplus t
+    _capacity_rows(T, b, basis, A, L, n + P)
     for p in range(P):
-        for c in range(n):
-            T[p, c] = A[c, p]
         T[p, n + p] = -1.0
-        T[p, n + P + p] = 1.0
-        b[p] = L[p]
-        basis[p] = n + P + p
         T[P + p, n + p] = 1.0
         T[P + p, n + 2 * P + p] = 1.0
         b[P + p] = U[p] - L[p]
@@ -355,12 +364,7 @@ def fluid_throughput(A, G):
     T = np.zeros((P, ncol))
     b = np.zeros(P)
     basis = np.empty(P, dtype=np.int64)
-    for p in range(P):
-        for c in range(n):
-            T[p, c] = A[c, p]
-        T[p, n + p] = 1.0
-        b[p] = G[p]
-        basis[p] = n + p
+    _capacity_rows(T, b, basis, A, G, n)
     obj = np.zeros(ncol + 1)
     for c in range(n):
         obj[c] = -1.0
