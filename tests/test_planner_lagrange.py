@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from ppiped.cluster import cluster_from_flags
 from ppiped.planner import lagrange, milp
+from ppiped.planner.bounds import knapsack_bound
 from ppiped.planner.configs import PipelineConfig, Segment
 
 TYPES = ("A", "B", "C")
@@ -134,9 +135,12 @@ def test_the_bound_never_cuts_off_cbcs_proven_optimum(inst):
     assert full.status == "optimal", full.status
     pools = {mm: lagrange.model_pools(mm, cs, cluster) for mm, cs in configs.items()}
     bound, _ = lagrange.lagrangian_bound(pools, weights, cluster, prices, 0.0, z_lp)
-    note(f"lp {z_lp} bound {bound} optimum {full.objective}")
-    assert full.objective <= bound * (1 + 1e-7) + 1e-9
-    assert bound <= z_lp
+    # each model charged the larger of its rounded fluid cost and its whole-vGPU knapsack cost
+    kb = knapsack_bound(configs, weights, cluster, prices, z_lp)
+    both, _ = lagrange.lagrangian_bound(pools, weights, cluster, prices, 0.0, z_lp, floor=kb.money_for)
+    note(f"lp {z_lp} bound {bound} with knapsack {both} optimum {full.objective}")
+    assert full.objective <= both * (1 + 1e-7) + 1e-9
+    assert both <= bound * (1 + 1e-7) + 1e-9 and bound <= z_lp
 
 
 def test_the_bound_sees_whole_gpu_rounding_that_the_lp_does_not():

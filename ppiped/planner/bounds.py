@@ -70,6 +70,18 @@ class KnapsackBound:
     bound: float
     picks: dict[str, list[Pick]] = field(default_factory=dict)
     tables: dict[str, ModelKnapsack] = field(default_factory=dict)
+    unit: float = 0.0  # price of one budget unit
+
+    def money_for(self, model: str, demand: float) -> float:
+        """A lower bound on the priced GPUs ``model`` needs for ``demand`` requests/s with
+        whole vGPUs (instance costs were rounded down to units, so units × unit is below any
+        real purchase); inf beyond the table."""
+        t = self.tables[model]
+        rest = demand - t.free
+        if rest <= 0:
+            return 0.0
+        u = t.units_for(rest)
+        return math.inf if u >= len(t.F) else u * self.unit
 
 
 Prices = Mapping[str | tuple[str, int], float]
@@ -118,7 +130,7 @@ def knapsack_bound(
     models = list(configs)
     z, units = _combine([tables[mm] for mm in models], [weights[mm] for mm in models], total, whole)
     picks = {mm: tables[mm].pick(u) for mm, u in zip(models, units, strict=True)}
-    return KnapsackBound(z, picks, tables)
+    return KnapsackBound(z, picks, tables, unit)
 
 
 def fluid_bound(configs: list[PipelineConfig], cluster: Cluster) -> float:

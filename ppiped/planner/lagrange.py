@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numba
@@ -97,12 +97,15 @@ def min_cost(mp: ModelPools, prices: Mapping[str, float], demand: float,
 
 def lagrangian_bound(pools: dict[str, ModelPools], weights: Mapping[str, float], cluster: Cluster,
                      prices: Mapping[str, float], lo: float, hi: float, rel_tol: float = 1e-7,
-                     node_cap: int | None = None, deadline: float = math.inf) -> tuple[float, dict]:
+                     node_cap: int | None = None, deadline: float = math.inf,
+                     floor: Callable[[str, float], float] | None = None) -> tuple[float, dict]:
     """Smallest ``z`` in (lo, hi] found not to fit at ``prices`` (``hi`` if all of it fits).
 
     ``lo`` must be achievable (an incumbent's objective): the relaxation of a feasible plan
     always fits, so the search only narrows (lo, hi]. It stops at ``deadline``
-    (``time.perf_counter()``) with the bound it has. Returns the bound and what it cost.
+    (``time.perf_counter()``) with the bound it has. ``floor(model, demand)``: another lower
+    bound on a model's priced cost at the same prices (the knapsack's, which keeps whole vGPUs
+    but not the rounding); each model is charged the larger. Returns the bound and its cost.
     """
     budget = sum(max(0.0, float(prices.get(g, 0.0))) * t.count for g, t in cluster.gpus.items())
     stats = {"solves": 0, "nodes": 0}
@@ -116,7 +119,7 @@ def lagrangian_bound(pools: dict[str, ModelPools], weights: Mapping[str, float],
             c, _, nodes = min_cost(mp, prices, weights[mm] * z, node_cap)
             stats["solves"] += 1
             stats["nodes"] += nodes
-            total += c
+            total += c if floor is None else max(c, floor(mm, weights[mm] * z))
             if total > budget * (1 + 1e-12) + 1e-12:
                 return False
         return True

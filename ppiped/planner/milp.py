@@ -358,7 +358,8 @@ class _Search:
     def lagrange(self, lp_prices: dict[str, float], until: float) -> None:
         """Tighten the bound with PPipe's whole-GPU rounding per model kept (:mod:`.lagrange`)
         at the LP's prices, then at the best knapsack's, searching between the incumbent and
-        the bound until ``until`` at most."""
+        the bound until ``until`` at most. Each model is charged the larger of its rounded
+        fluid cost and its knapsack cost (whole vGPUs), both lower bounds at those prices."""
         pools = {mm: model_pools(mm, cs, self.cluster) for mm, cs in self.configs.items()}
         tries = [lp_prices]
         if self.knapsack_prices not in (None, lp_prices):
@@ -367,8 +368,9 @@ class _Search:
         for prices in tries:
             if self.done() or time.perf_counter() >= until:
                 break
+            kb = knapsack_bound(self.configs, self.weights, self.cluster, prices, self.z_lp, self.instances)
             b, stats = lagrangian_bound(pools, self.weights, self.cluster, prices, max(0.0, self.best_z),
-                                        self.bound, deadline=min(until, self.deadline))
+                                        self.bound, deadline=min(until, self.deadline), floor=kb.money_for)
             runs.append(stats)
             if b < self.bound:
                 self.bound = b
