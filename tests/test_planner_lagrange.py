@@ -8,6 +8,7 @@ types (no shared data needed).
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections import defaultdict
 
@@ -195,3 +196,34 @@ def test_a_model_without_pipelines_costs_infinity_and_zero_demand_nothing():
     assert lagrange.min_cost(mp, {"A": 1.0}, 10.0)[0] == math.inf
     assert lagrange.min_cost(mp, {"A": 1.0}, 0.0)[0] == 0.0
 
+
+
+def _three_type_world(seed: int):
+    """Three models of five random pipelines each on three GPU types: a world where the
+    Lagrangian bound is what proves the planner's answer (Python's ``random`` stream is stable
+    across versions, so the worlds are too)."""
+    r = random.Random(seed).random
+    cluster = cluster_from_flags("A:5,B:4,C:6", "1,1,1", "4,4,4", 10.0)
+    configs = {}
+    for m in ("m0", "m1", "m2"):
+        cs = []
+        for _ in range(5):
+            segs = []
+            for d in range(1 + int(r() * 2)):
+                split, g = (1, 2, 4)[int(r() * 3)], TYPES[int(r() * 3)]
+                segs.append(Segment(d, d + 1, g, split, 1.0, 0.0, (10 + 190 * r()) / split))
+            cs.append(PipelineConfig(m, 1, tuple(segs), 1.0))
+        configs[m] = cs
+    return configs, dict.fromkeys(configs, 1.0), cluster
+
+
+@pytest.mark.parametrize("seed", [12, 15, 24])
+def test_the_planner_proves_with_the_lagrangian_bound_what_cbc_proves_alone(seed):
+    configs, weights, cluster = _three_type_world(seed)
+    allocs, info = milp.solve_allocation(configs, weights, cluster, time_limit_s=30.0)
+    assert info.extra["bound_by"] == "lagrange" and info.status == "optimal"
+    full = milp._cbc(configs, weights, cluster, info.extra["lp_bound"], 60.0, 1, 1e-9, [], False)
+    assert full.status == "optimal"
+    assert info.objective == pytest.approx(full.objective, rel=1e-6)
+    assert info.bound >= full.objective * (1 - 1e-9)
+    assert milp._fits(allocs, cluster, False)
