@@ -287,12 +287,10 @@ def _branch_and_bound(A, pi, count, node_cap):
     stack_L = np.zeros((depth + 1, P))
     stack_U = np.zeros((depth + 1, P))
     stack_bound = np.zeros(depth + 1)
-    top = 0
     for p in range(P):
         stack_U[0, p] = count[p]
         if pi[p] <= 0.0:  # a free pool: take all of it
             stack_L[0, p] = count[p]
-    stack_bound[0] = 0.0
     top = 1
     best = np.inf
     best_G = np.zeros(P)

@@ -238,7 +238,7 @@ def solve_allocation(
         S.restricted(min(_RESTRICTED_MAX_S, max(_RESTRICTED_S, _RESTRICTED_SHARE * (deadline - time.perf_counter()))))
         S.lap("restricted")
     if not S.done() and not share_gpus:
-        S.lagrange(lp_prices, time.perf_counter() + _LAGRANGE_SHARE * (deadline - time.perf_counter()))
+        S.lagrange(time.perf_counter() + _LAGRANGE_SHARE * (deadline - time.perf_counter()))
         S.lap("lagrange")
     status = "optimal" if S.done() else "feasible"
     stats = (0, 0, 0)
@@ -316,7 +316,8 @@ class _Search:
         self.phases: dict = {}
         self.price_tries = 0
         self.instances = None
-        self.knapsack_prices: dict[str, float] | None = None
+        # Knapsack tables by price vector, for the Lagrangian phase: the LP's and the best's.
+        self.knapsacks: list[tuple[dict, Any]] = []
         self._t = t0
 
     def lap(self, phase: str) -> None:
@@ -344,9 +345,11 @@ class _Search:
                               for mm, cs in self.configs.items()}
         kb = knapsack_bound(self.configs, self.weights, self.cluster, prices, self.z_lp, self.instances,
                             round_per_model=not self.share_gpus)
+        if not self.knapsacks:
+            self.knapsacks.append((prices, kb))  # the first call prices at the LP's duals
         if kb.bound < self.bound:
             self.bound = kb.bound
-            self.knapsack_prices = prices
+            self.knapsacks[1:] = [] if self.knapsacks[0][1] is kb else [(prices, kb)]
             # The bound is checkable: knapsack_bound() with these prices gives it again.
             self.phases["bound_by"] = "knapsack"
             self.phases["bound_prices"] = {str(k): v for k, v in prices.items()}
@@ -355,20 +358,16 @@ class _Search:
         self.offer(guess, "knapsack")
         self.keep |= {id(a.config) for a in guess}
 
-    def lagrange(self, lp_prices: dict[str, float], until: float) -> None:
+    def lagrange(self, until: float) -> None:
         """Tighten the bound with PPipe's whole-GPU rounding per model kept (:mod:`.lagrange`)
         at the LP's prices, then at the best knapsack's, searching between the incumbent and
         the bound until ``until`` at most. Each model is charged the larger of its rounded
         fluid cost and its knapsack cost (whole vGPUs), both lower bounds at those prices."""
         pools = {mm: model_pools(mm, cs, self.cluster) for mm, cs in self.configs.items()}
-        tries = [lp_prices]
-        if self.knapsack_prices not in (None, lp_prices):
-            tries.append(self.knapsack_prices)
         runs = []
-        for prices in tries:
+        for prices, kb in self.knapsacks:
             if self.done() or time.perf_counter() >= until:
                 break
-            kb = knapsack_bound(self.configs, self.weights, self.cluster, prices, self.z_lp, self.instances)
             b, stats = lagrangian_bound(pools, self.weights, self.cluster, prices, max(0.0, self.best_z),
                                         self.bound, deadline=min(until, self.deadline), floor=kb.money_for)
             runs.append(stats)
