@@ -111,13 +111,15 @@ def _plan(world, algo, max_partitions=2, threads=1):
 
 
 def _not_below(small, large, what):
-    """``large`` searched a superset of ``small``'s space: it is not worse and its bound holds."""
+    """``large`` searched a superset of ``small``'s space: its bound holds, and once proven
+    optimal it is not worse (a search stopped at its time limit may still be below)."""
     if small is None:
         return
     assert large is not None, f"{what}: the smaller search space has a plan, the larger none"
     a, b = small.normalized_throughput, large.normalized_throughput
     assert large.solver["bound"] >= a * (1 - REL) - ABS, f"{what}: bound {large.solver['bound']} < {a}"
-    assert b >= a * (1 - REL) - ABS, f"{what}: {b} < {a}"
+    if large.solver["status"] == "optimal":
+        assert b >= a * (1 - REL) - ABS, f"{what}: {b} < {a}"
 
 
 @settings(max_examples=8, deadline=None, print_blob=True,
