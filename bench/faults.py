@@ -232,7 +232,7 @@ def flood_child(endpoint: str, n: int, slo_ms: float, timeout_s: float) -> dict:
             take(s.recv_multipart())
     ctx.destroy(0)
     missing = [i for i in range(n) if not seen[i]]
-    return {"sent": n, "missing_ids": [missing[:5], missing[-5:]], "answered_twice": sum(1 for x in seen if x > 1), "send_s": round(send_s, 2), "answered": got, "no_reply": n - got,
+    return {"t0_monotonic": round(t0, 3), "sent": n, "missing_ids": [missing[:5], missing[-5:]], "answered_twice": sum(1 for x in seen if x > 1), "send_s": round(send_s, 2), "answered": got, "no_reply": n - got,
             "ok_in_slo": in_slo, "outcomes": outcome, "answered_within_s": round(time.monotonic() - t0, 2)}
 
 

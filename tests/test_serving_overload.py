@@ -36,9 +36,13 @@ class _Behind:
 
     def __init__(self, busy_since: int) -> None:
         self.busy_since = busy_since
+        self.floods = 0
 
     def kick(self) -> None:
         pass
+
+    def flood(self) -> None:
+        self.floods += 1
 
 
 def _replies(rig: Rig) -> list[list]:
@@ -165,39 +169,148 @@ def test_a_backlogs_sheds_are_answered_together_per_client_each_id_once(tmp_path
         rig.close()
 
 
-def test_a_reader_behind_for_long_rests_between_wake_ups(ticking):
-    """Past ``pace_after_us`` behind, a wake-up cut by its budget is followed by a rest (a flood
-    gets at most ``duty`` of the loop); every message is still handled, in order."""
+def test_a_client_sending_most_of_a_backlog_beside_others_is_shed_at_once(tmp_path, monkeypatch):
+    """A backlog only just begun (inside ``max_backlog_ms`` and half the SLO): a client that sent
+    more than BACKLOG_FLOOD_MSGS of its messages, and over FLOOD_SHARE of them, is answered
+    ``overloaded`` at once and the reader is told it is a flood (to pace it); the other client is
+    served. Alone, the same client is not shed before the backlog's limit."""
+    monkeypatch.setattr(S, "BACKLOG_FLOOD_MSGS", 10)
+    rig = Rig(tmp_path, monkeypatch, extra="[limits]\nmax_backlog_ms = 5\n")
+    other = rig.ctx.socket(zmq.DEALER)
+    other.setsockopt(zmq.IDENTITY, b"P")
+    other.connect(rig.srv.client.getsockopt(zmq.LAST_ENDPOINT).decode())
+    try:
+        srv = rig.srv
+
+        def send(sock: zmq.Socket, cid: int) -> None:
+            send_parts(sock, [wire.submit(tiny.MODEL, 0, [cid]), b"a"])
+            assert srv.client.poll(1000)
+            srv.on_client(L.recv_parts(srv.client, 0))
+            srv.after_clients()
+
+        # alone: 20 messages 0.5 ms into a backlog are not shed for it (nor for the window)
+        srv.client_reader = alone = _Behind(rig.t - 500)
+        for k in range(20):
+            send(rig.cl, k)
+        assert alone.floods == 0 and srv.counters["shed_backlog"] == 0
+
+        srv.client_reader = reader = _Behind(rig.t - 400)  # a new backlog
+        send(other, 1000)
+        for k in range(100, 120):
+            send(rig.cl, k)
+        send(other, 1001)
+        replies = _replies(rig)
+        shed = [i for h in replies if h.status == Status.REJECTED for i in h.ids]
+        assert shed == list(range(110, 120))  # from its 11th message of this backlog on
+        assert all(h.reason == wire.OVERLOADED and "backlog" in h.meta for h in replies
+                   if h.status == Status.REJECTED)
+        assert reader.floods == 10 and srv.counters["shed_backlog"] == 10
+        assert not [h for h in _replies_of(other) if h.status == Status.REJECTED]
+        assert srv.stats[0].accepted == 20 + 10 + 2
+    finally:
+        other.close(0)
+        rig.close()
+
+
+def _replies_of(sock: zmq.Socket) -> list:
+    return [wire.decode(m[0]) for m in Rig.drain(sock)]
+
+
+def test_the_client_socket_holds_a_bounded_backlog_per_connection(tmp_path, monkeypatch):
+    """The daemon's client socket holds at most CLIENT_RCVHWM unread messages of one connection;
+    past that the sender's own socket holds them (a flood costs the daemon neither memory nor
+    I/O-thread CPU before the loop reads it), while another connection still gets through."""
+    rig = Rig(tmp_path, monkeypatch)
+    try:
+        srv = rig.srv
+        sock = srv._bind(zmq.ROUTER, "inproc://bounded", "endpoints.client", unlimited=True)
+        flooder, polite = rig.ctx.socket(zmq.DEALER), rig.ctx.socket(zmq.DEALER)
+        for s_ in (flooder, polite):
+            s_.setsockopt(zmq.SNDHWM, 10)
+            s_.connect("inproc://bounded")
+        sent = 0
+        with pytest.raises(zmq.Again):
+            while sent < 100 * S.CLIENT_RCVHWM:
+                flooder.send(b"f", zmq.NOBLOCK)
+                sent += 1
+        assert S.CLIENT_RCVHWM <= sent <= S.CLIENT_RCVHWM + 10
+        polite.send(b"p", zmq.NOBLOCK)
+        got = []
+        while sock.poll(100):
+            got.append(sock.recv_multipart()[1])
+        assert got.count(b"p") == 1 and got.count(b"f") == sent
+        sock.close(0)
+    finally:
+        rig.close()
+
+
+class _CountingReader(Reader):
+    """A reader that counts its wake-ups (every call of its drain, the FD's included)."""
+
+    def __init__(self, *a, **kw) -> None:
+        self.wakeups = 0
+        super().__init__(*a, **kw)
+
+    def _drain(self, budget: bool = True) -> None:
+        self.wakeups += 1
+        super()._drain(budget)
+
+
+def test_a_flood_marked_backlog_rests_between_wake_ups_and_the_rest_is_idle(ticking):
+    """Past ``pace_after_us`` behind, a wake-up cut by its budget is followed by a rest once the
+    handler has called the backlog a flood (it gets at most ``duty`` of the loop); a backlog the
+    handler did not call a flood is read at full speed. Every message is still handled, in order
+    per sender, and a rest does not wake the loop while a second sender's messages arrive (the
+    socket's FD, readable from their arrival until the socket is read, is not watched meanwhile:
+    watched, it made every rest a busy loop)."""
     ctx = zmq.Context()
     got: dict[str, list[bytes]] = {}
     paced: dict[str, int] = {}
+    wakeups: dict[str, int] = {}
 
-    async def main(name: str, **pace) -> None:
-        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    async def main(name: str, flood: bool, **pace) -> None:
+        b = ctx.socket(zmq.ROUTER)
         b.bind(f"inproc://pace-{name}")
-        a.connect(f"inproc://pace-{name}")
+        bulk, trickle = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        bulk.connect(f"inproc://pace-{name}")
+        trickle.connect(f"inproc://pace-{name}")
         loop = asyncio.get_running_loop()
         for i in range(40):
-            send_parts(a, [str(i).encode()])
+            send_parts(bulk, [b"b%d" % i])
         got[name] = []
-        r = Reader(loop, b, lambda m: got[name].append(bytes(m[0])), budget_us=250, **pace)
-        for _ in range(2000):
+        r: _CountingReader
+
+        def handler(m: list) -> None:
+            got[name].append(bytes(m[1]))
+            if flood:
+                r.flood()
+
+        r = _CountingReader(loop, b, handler, budget_us=250, **pace)
+        for i in range(20):
+            await asyncio.sleep(0.001)
+            send_parts(trickle, [b"t%d" % i])
+        for _ in range(4000):
             await asyncio.sleep(0.0005)
-            if len(got[name]) == 40 and not r._scheduled:
+            if len(got[name]) == 60:
                 break
-        paced[name] = r.paced
+        await asyncio.sleep(0.01)
+        paced[name], wakeups[name] = r.paced, r.wakeups
         r.close()
-        a.close(0)
-        b.close(0)
+        for s_ in (bulk, trickle, b):
+            s_.close(0)
 
     try:
-        asyncio.run(main("paced", pace_after_us=500, duty=0.5))
-        asyncio.run(main("plain"))
+        asyncio.run(main("flood", True, pace_after_us=500, duty=0.1))
+        asyncio.run(main("backlog", False, pace_after_us=500, duty=0.1))
+        asyncio.run(main("plain", True))
     finally:
         ctx.destroy(0)
-    for name in ("paced", "plain"):
-        assert got[name] == [str(i).encode() for i in range(40)]
-    assert paced["paced"] > 0 and paced["plain"] == 0
+    for name in ("flood", "backlog", "plain"):
+        assert [m for m in got[name] if m[:1] == b"b"] == [b"b%d" % i for i in range(40)]
+        assert [m for m in got[name] if m[:1] == b"t"] == [b"t%d" % i for i in range(20)]
+    assert paced["flood"] > 0 and paced["backlog"] == 0 and paced["plain"] == 0
+    # a rest ends in one wake-up, and a message arriving during it wakes nothing
+    assert wakeups["flood"] <= 2 * paced["flood"] + 30
 
 
 def _results_for_dispatches(rig: Rig) -> int:

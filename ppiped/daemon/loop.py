@@ -219,7 +219,9 @@ class Reader:
         self._loop = loop
         self._pace_after = pace_after_us
         self._rest_us = int(budget_us * (1.0 / duty - 1.0)) if pace_after_us and 0 < duty < 1 else 0
-        self._resume_at = 0
+        self._resting = False
+        self._closed = False
+        self._flood_at = 0  # busy_since of the backlog that :meth:`flood` marked
         self.paced = 0  # wake-ups followed by a rest
         self._sock = sock
         self._handler = handler
@@ -232,6 +234,12 @@ class Reader:
         loop.add_reader(self._fd, self._drain)
         self.kick()  # messages may have queued before the reader existed
 
+    def flood(self) -> None:
+        """The handler found the current backlog to be one sender's flood: from now until the
+        socket is next empty, wake-ups that hit the budget are followed by a rest (``duty``).
+        A backlog of many senders (the loop's own ceiling) is read at full speed."""
+        self._flood_at = self.busy_since
+
     def drain_now(self) -> None:
         """Handle every message already queued (no time budget), before acting on what has *not*
         arrived."""
@@ -239,16 +247,15 @@ class Reader:
 
     def kick(self) -> None:
         """Check for input soon: a send may have consumed the edge that announced it."""
-        if not self._scheduled:
+        if not self._scheduled and not self._resting:
             self._scheduled = True
             self._loop.call_soon(self._drain)
 
     def _drain(self, budget: bool = True) -> None:
         self._scheduled = False
-        t0 = now_us()
-        if budget and t0 < self._resume_at:
-            self._rest(t0)
+        if budget and self._resting:
             return
+        t0 = now_us()
         sock, handler = self._sock, self._handler
         n = 0
         if not self.busy_since:
@@ -283,20 +290,29 @@ class Reader:
             if n and self._after is not None:
                 self._after()
         if cut:
-            if self._rest_us and now_us() - self.busy_since > self._pace_after:
-                # behind for a while (a flood): rest before the next wake-up, so the process's
-                # other threads, and the executors and clients beside it on the host, keep CPU
-                self._resume_at = now_us() + self._rest_us
-                self.paced += 1
-                self._rest(now_us())
+            if self._rest_us and self._flood_at == self.busy_since and now_us() - self.busy_since > self._pace_after:
+                self._rest()
             else:
                 self.kick()
 
-    def _rest(self, now: int) -> None:
-        if not self._scheduled:
-            self._scheduled = True
-            self._loop.call_later((self._resume_at - now) / 1e6, self._drain)
+    def _rest(self) -> None:
+        """Behind for a while (a flood): stop watching the socket for a rest, so the process's
+        other work, and the executors and clients beside it on the host, keep CPU. The FD is
+        unwatched meanwhile: ZeroMQ's FD stays readable while input waits, and a watched FD
+        would wake the loop again and again for nothing (a busy rest)."""
+        self._resting = True
+        self.paced += 1
+        self._loop.remove_reader(self._fd)
+        self._loop.call_later(self._rest_us / 1e6, self._resume)
+
+    def _resume(self) -> None:
+        if self._closed:
+            return
+        self._resting = False
+        self._loop.add_reader(self._fd, self._drain)
+        self._drain()
 
     def close(self) -> None:
+        self._closed = True
         with contextlib.suppress(ValueError, OSError):
             self._loop.remove_reader(self._fd)

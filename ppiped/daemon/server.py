@@ -63,10 +63,11 @@ CALM_INTERVALS = 100  # adjustments in a row with nothing late or refused: the w
 # are the answers that count) or the timers, and vice versa.
 CLIENT_SLICE_US = 1000
 EXEC_SLICE_US = 1000
-# A client socket behind this long is read at most this share of the time (a flood cannot take
-# the loop's whole CPU from the executors and clients on the same host)
+# A client socket behind this long with one client's flood is read at most this share of the time
+# (a flood cannot take the loop's whole CPU from the executors and clients on the same host)
 CLIENT_PACE_AFTER_US = 5000
-CLIENT_FLOOD_DUTY = 0.5
+CLIENT_FLOOD_DUTY = 0.25
+CLIENT_RCVHWM = 1000  # unread messages the daemon holds per client connection
 BURST_DECIDE_US = 200
 SHED_REPLY_IDS = 4096  # a reply of held-back backlog sheds carries at most about this many ids
 SHED_HOLD_US = 200  # and waits at most about this long for more (a refusal stays prompt)
@@ -88,6 +89,9 @@ MAX_CLIENTS = 1 << 16
 # to follow clock drift (and a client restarted with a new clock on the same connection).
 CLOCK_WINDOW_US = 5_000_000
 BACKLOG_FEW_MSGS = 8  # messages since a backlog began below which a client is not shed for it
+# ... and one beside others that sent more than this many, and this share of all, is shed at once
+BACKLOG_FLOOD_MSGS = 64
+FLOOD_SHARE = 0.75
 # Under contention (two or more clients with requests in flight for a model) the model's
 # admission capacity is at most this share of what it serves in one SLO at its planned
 # throughput: with that many ahead of it, a new request still makes its SLO.
@@ -490,9 +494,13 @@ class Server:
               max_frame: int = -1, domain: str = "", unlimited: bool = False) -> zmq.Socket:
         """A bound socket; ``max_frame``: ZMQ_MAXMSGSIZE, so libzmq drops a peer that sends a
         larger frame before allocating it (the payload check after receipt comes too late);
-        ``domain``: its CURVE allow-list when ``security.curve`` is on; ``unlimited``: no high
-        water marks (a ROUTER drops what it sends past a peer's HWM: a reply must never be lost
-        to a client that reads slowly).
+        ``domain``: its CURVE allow-list when ``security.curve`` is on; ``unlimited``: no send
+        high water mark (a ROUTER drops what it sends past a peer's HWM: a reply must never be
+        lost to a client that reads slowly), and at most CLIENT_RCVHWM unread messages per
+        connection: past that libzmq stops reading the connection and the sender's socket holds
+        the rest, so a flood costs neither memory nor I/O-thread CPU before the loop gets to it
+        (with no limit, one flooding client took the I/O thread's CPU from the executors while
+        it sent).
 
         Every option is set before ``bind``: libzmq's listener copies the socket's options when
         it is made, and the connections it accepts take theirs from that copy."""
@@ -500,7 +508,7 @@ class Server:
         s.setsockopt(zmq.LINGER, 0)
         if unlimited:
             s.setsockopt(zmq.SNDHWM, 0)
-            s.setsockopt(zmq.RCVHWM, 0)
+            s.setsockopt(zmq.RCVHWM, CLIENT_RCVHWM)
         serve(s, self.cfg.security, domain)
         if max_frame > 0:
             s.setsockopt(zmq.MAXMSGSIZE, max_frame + 4096)
@@ -679,6 +687,12 @@ class Server:
             # messages since is not what backs the socket up, even if it is read first)
             flooding = (self.epoch_senders < 2 and n_clients < 2) or (
                 peer.msgs > BACKLOG_FEW_MSGS and peer.msgs * self.epoch_senders > self.epoch_msgs)
+            # one client sending most of a backlog beside others is shed at once, not after the
+            # SLO-scaled wait: what it gets admitted meanwhile fills the window others burst into
+            if self.epoch_senders > 1 and peer.msgs > BACKLOG_FLOOD_MSGS and \
+                    peer.msgs > FLOOD_SHARE * self.epoch_msgs:
+                behind_us = 0
+                self.client_reader.flood()
             if t - since > behind_us and (flooding or sh.n + len(ids) > fair):
                 self._shed(ident, ids, st, t, "backlog", f"client socket backlogged {(t - since) / 1000:.1f} ms")
                 return
