@@ -81,6 +81,7 @@ MODEL_REMOVED = "model-removed"  # a replan removed the model while the request 
 UNREGISTERED = "unregistered"  # an executor spoke before registering (scheduler restarted): re-register
 DAEMON_RESTARTED = "daemon-restarted"  # client side: the scheduler restarted and lost the request
 DAEMON_UNREACHABLE = "daemon-unreachable"  # client side: the scheduler stopped answering pings
+UNAUTHORIZED = "unauthorized"  # a peer message without the credentials its kind needs
 VGPU_TAKEN = "vgpu-taken"  # another live executor serves that vGPU: retry (it may be about to die)
 # Reasons only a query (QUERY/ANSWER) ends with; the others above apply to its stages too.
 UNKNOWN_APP = "unknown-app"
@@ -182,8 +183,13 @@ class Register(Message):
 
 
 class Welcome(Message):
+    """S→E. ``data_key``: what every FORWARD between this scheduler's executors carries (an
+    executor refuses a FORWARD without it, so a socket that reached a data port but was given no
+    assignment cannot push work into it); only an executor with an assignment is told it."""
+
     assignments: list  # one list per vGPU, see Assignment
     heartbeat_ms: UInt
+    data_key: bytes = b""
 
 
 class Peers(Message):
@@ -211,6 +217,7 @@ class Forward(Message):
     hop: UInt
     ids: UInts
     meta: Any  # tensor spec or None
+    key: bytes = b""  # WELCOME.data_key
 
 
 class Result(Message):
@@ -284,6 +291,10 @@ def _ints(x: Any) -> bool:
     return type(x) is list and all(type(i) is int for i in x)
 
 
+def _bytes(x: Any) -> bool:
+    return type(x) is bytes
+
+
 def _list(x: Any) -> bool:
     return type(x) is list
 
@@ -298,7 +309,7 @@ def _any(x: Any) -> bool:
 
 _CHECKS: dict[Any, tuple[Callable[[Any], bool], str]] = {
     UInt: (_uint, "unsigned int"), int: (_int, "int"), str: (_str, "string"),
-    UInts: (_uints, "list of unsigned ints"), Ints: (_ints, "list of ints"), list: (_list, "list"),
+    bytes: (_bytes, "bytes"), UInts: (_uints, "list of unsigned ints"), Ints: (_ints, "list of ints"), list: (_list, "list"),
     dict: (_dict, "map"), Any: (_any, "any")}
 
 Field = tuple[str, Callable[[Any], bool], str]
@@ -457,8 +468,8 @@ def register(vgpus: Sequence[int], data_endpoint: str, backend: str, pid: int, c
     return _pack([VERSION, _t.REGISTER, vgpus, data_endpoint, backend, pid, clock_us, incarnation])
 
 
-def welcome(assignments: Sequence[list], heartbeat_ms: int) -> bytes:
-    return _pack([VERSION, _t.WELCOME, assignments, heartbeat_ms])
+def welcome(assignments: Sequence[list], heartbeat_ms: int, data_key: bytes = b"") -> bytes:
+    return _pack([VERSION, _t.WELCOME, assignments, heartbeat_ms, data_key])
 
 
 def peers(directory: dict[int, str]) -> bytes:
@@ -477,8 +488,8 @@ def dispatch(batch: int, path: Sequence[int], starts: Sequence[int], ids: Sequen
 
 
 def forward(batch: int, path: Sequence[int], starts: Sequence[int], hop: int, ids: Sequence[int],
-            meta: Any) -> bytes:
-    return _pack([VERSION, _t.FORWARD, batch, path, starts, hop, ids, meta])
+            meta: Any, key: bytes = b"") -> bytes:
+    return _pack([VERSION, _t.FORWARD, batch, path, starts, hop, ids, meta, key])
 
 
 def result(batch: int, ids: Sequence[int], meta: Any, failed: Sequence = (), feedback: Sequence[int] = ()

@@ -108,8 +108,11 @@ def assignment(vgpu, part, last, lat=LAT):
                            [0.0] * len(lat)).to_wire()
 
 
-def welcome(sched, ident, vgpus):
-    sched.send(ident, wire.welcome([assignment(v, v, v == 1) for v in vgpus], 50))
+DATA_KEY = b"0123456789abcdef"
+
+
+def welcome(sched, ident, vgpus, data_key=DATA_KEY):
+    sched.send(ident, wire.welcome([assignment(v, v, v == 1) for v in vgpus], 50, data_key))
     sched.recv(T.HEARTBEAT)
 
 
@@ -146,6 +149,38 @@ def test_emulate_two_processes_in_reservation_order(sched, tmp_path):
         assert v == hop and s >= reserved and s >= ready
         assert e - s >= LAT[[2, 1][b - 1] - 1] - 50
     assert by[(2, 0)][2] < by[(1, 0)][2]
+
+
+def test_a_forward_without_the_data_key_is_refused_and_the_chain_still_runs(sched, tmp_path):
+    """A socket that reached vGPU 1's data port but holds no WELCOME's data key (none, or a
+    wrong one) pushes FORWARDs: none runs (no RESULT for them, the executor logs them refused),
+    while the genuine chain 0 -> 1, whose executors were told the key, answers its batch."""
+    cfg = write_config(tmp_path)
+    procs = [sched.spawn(cfg, "0"), sched.spawn(cfg, "1")]
+    idents = {}
+    for _ in range(2):
+        ident, h, _ = sched.recv(T.REGISTER)
+        idents[h.vgpus[0]] = ident
+    directory = {0: f"ipc://{tmp_path}/data-0.sock", 1: f"ipc://{tmp_path}/data-1.sock"}
+    for v in (0, 1):
+        sched.send(idents[v], wire.peers(directory))
+        welcome(sched, idents[v], [v])
+    intruder = sched.ctx.socket(zmq.PUSH)
+    intruder.setsockopt(zmq.LINGER, 0)
+    intruder.connect(directory[1])
+    for k, key in enumerate((b"", b"x" * 16, DATA_KEY[:-1] + b"?")):
+        intruder.send_multipart([wire.forward(100 + k, [0, 1], [0, 0], 1, [50 + k], None, key), b"forged"])
+    sched.send(idents[0], wire.dispatch(7, [0, 1], [0, 0], [1]), b"genuine")
+    ident, h, frames = sched.recv(T.RESULT)
+    assert (ident, h.batch, h.ids, frames) == (idents[1], 7, [1], [b"genuine"])
+    with pytest.raises(AssertionError):  # nothing of the intruder's comes back
+        sched.recv(T.RESULT, timeout_s=0.5)
+    intruder.close(0)
+    for p in procs:
+        p.terminate()
+        p.wait(timeout=10)
+    log = procs[1].stderr.read()
+    assert "unauthorized" in log and "data key" in log, log
 
 
 def test_ort_partitions_fp16_hop_and_bad_frame(sched, tmp_path):
@@ -215,7 +250,7 @@ def test_broken_partition_file_exits_2_naming_it(sched, tmp_path):
     part.write_bytes(b"this is not an ONNX model")
     p = sched.spawn(cfg, "0,1")
     ident, _, _ = sched.recv(T.REGISTER)
-    sched.send(ident, wire.welcome([assignment(v, v, v == 1) for v in (0, 1)], 50))
+    sched.send(ident, wire.welcome([assignment(v, v, v == 1) for v in (0, 1)], 50, DATA_KEY))
     rc = p.wait(timeout=20)
     err = p.stderr.read()
     assert rc == 2, err

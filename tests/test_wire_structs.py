@@ -20,7 +20,8 @@ from ppiped import wire
 from ppiped.wire import ProtocolError, T
 
 # name:kind per field, as the wire had them before the structs. u: unsigned int, i: int,
-# s: string, U: list of unsigned ints, I: list of ints, l: list, d: map, a: anything
+# s: string, b: bytes, U: list of unsigned ints, I: list of ints, l: list, d: map, a: anything
+# (WELCOME.data_key and FORWARD.key came later, as optional trailing fields)
 OLD_SCHEMA = {
     T.SUBMIT: "model:s slo_us:u ids:U priority:u sent_us:u",
     T.REPLY: "ids:U status:u reason:s meta:a",
@@ -30,11 +31,11 @@ OLD_SCHEMA = {
     T.QUERY: "app:s slo_us:u qid:u stages:u priority:u sent_us:u",
     T.ANSWER: "qid:u status:u reason:s stage:s detail:s outputs:l",
     T.REGISTER: "vgpus:U data_endpoint:s backend:s pid:u clock_us:i incarnation:u",
-    T.WELCOME: "assignments:l heartbeat_ms:u",
+    T.WELCOME: "assignments:l heartbeat_ms:u data_key:b",
     T.PEERS: "directory:l",
     T.HEARTBEAT: "clock_us:i queued:u",
     T.DISPATCH: "batch:u path:U starts:I ids:U",
-    T.FORWARD: "batch:u path:U starts:I hop:u ids:U meta:a",
+    T.FORWARD: "batch:u path:U starts:I hop:u ids:U meta:a key:b",
     T.RESULT: "batch:u ids:U meta:a failed:l feedback:I",
     T.FEEDBACK: "entries:I",
     T.CANCEL: "batches:U",
@@ -43,13 +44,15 @@ OLD_SCHEMA = {
     T.PREPARE: "prep:u assignments:l",
     T.PRELOADED: "prep:u load_us:u error:s",
 }
-OLD_OPTIONAL = {T.SUBMIT: 2, T.QUERY: 3}  # trailing fields that may be left out (then 0)
+# trailing fields that may be left out, with the values they then take
+OLD_OPTIONAL = {T.SUBMIT: (0, 0), T.QUERY: (0, 0, 0), T.WELCOME: (b"",), T.FORWARD: (b"",)}
 FIELDS = {t: [f.split(":") for f in spec.split()] for t, spec in OLD_SCHEMA.items()}
 
 _OK = {
     "u": lambda x: type(x) is int and x >= 0,
     "i": lambda x: type(x) is int,
     "s": lambda x: type(x) is str,
+    "b": lambda x: type(x) is bytes,
     "U": lambda x: type(x) is list and all(type(i) is int and i >= 0 for i in x),
     "I": lambda x: type(x) is list and all(type(i) is int for i in x),
     "l": lambda x: type(x) is list,
@@ -72,9 +75,10 @@ def old_decode(raw: bytes) -> list | str:
         return wire.MALFORMED
     fields = FIELDS[h[1]]
     missing = 2 + len(fields) - len(h)
-    if not 0 <= missing <= OLD_OPTIONAL.get(h[1], 0):
+    opt = OLD_OPTIONAL.get(h[1], ())
+    if not 0 <= missing <= len(opt):
         return wire.MALFORMED
-    h += [0] * missing
+    h += list(opt[len(opt) - missing:])
     if not all(_OK[kind](x) for (_, kind), x in zip(fields, h[2:], strict=True)):
         return wire.MALFORMED
     return h
@@ -90,7 +94,8 @@ values = st.recursive(scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=4), inner, max_size=3)), max_leaves=10)
 uints = st.integers(0, 2**64 - 1)
 ints = st.integers(-2**63, 2**63 - 1)
-KINDS = {"u": uints, "i": ints, "s": st.text(max_size=12), "U": st.lists(uints, max_size=40),
+KINDS = {"u": uints, "i": ints, "s": st.text(max_size=12), "b": st.binary(max_size=20),
+         "U": st.lists(uints, max_size=40),
          "I": st.lists(ints, max_size=40), "l": st.lists(values, max_size=4),
          "d": st.dictionaries(st.text(max_size=6), values, max_size=4), "a": values}
 
@@ -104,7 +109,7 @@ def valid(draw: Any) -> tuple[T, list]:
 def test_structs_keep_the_old_fields_in_order():
     for t, fields in FIELDS.items():
         assert [f.name for f in msgspec.structs.fields(wire.STRUCTS[t])[2:]] == [n for n, _ in fields]
-        assert wire.OPTIONAL.get(t, ()) == (0,) * OLD_OPTIONAL.get(t, 0)
+        assert wire.OPTIONAL.get(t, ()) == OLD_OPTIONAL.get(t, ())
 
 
 @settings(max_examples=400, deadline=None)
@@ -128,7 +133,7 @@ def test_constructors_and_structs_write_the_old_bytes_and_read_them_back(msg):
     h = wire.decode(old)
     assert type(h) is wire.STRUCTS[t] and as_list(h) == old_decode(old) == [wire.VERSION, t, *fields]
     assert wire._decode_checked(old) == h  # the Python path reads it the same
-    for i in range(OLD_OPTIONAL.get(t, 0) + 1):  # older senders leave trailing fields out
+    for i in range(len(OLD_OPTIONAL.get(t, ())) + 1):  # older senders leave trailing fields out
         short = msgpack.packb([wire.VERSION, t, *fields[:len(fields) - i]])
         assert as_list(wire.decode(short)) == old_decode(short)
 

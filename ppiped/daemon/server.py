@@ -328,6 +328,9 @@ class Server:
         self._warned: dict[str, int] = {}  # warning kind -> µs when last logged (rate limit)
         # Differs on every start: clients that see it change know their pending requests are gone.
         self.epoch = int.from_bytes(os.urandom(6), "big")
+        # What FORWARDs between this scheduler's executors carry (WELCOME tells the assigned ones):
+        # a socket that reaches an executor's data port without an assignment cannot push work.
+        self.data_key = os.urandom(16)
         from .apps import Queries  # (it builds on this module's Req)
 
         self.queries = Queries(self)  # the plan's apps: multi-model queries
@@ -1181,8 +1184,11 @@ class Server:
 
     def _welcome(self, ident: bytes, vgpus: list[int]) -> None:
         """WELCOME with the assignments in force; vGPUs the plan lacks wait on standby until a plan
-        has them (a replan to fewer vGPUs, or an executor started ahead of the plan that needs it)."""
-        self._send_exec(ident, wire.welcome(self.wire_assignments(vgpus), self.cfg.heartbeat_interval_ms))
+        has them (a replan to fewer vGPUs, or an executor started ahead of the plan that needs it).
+        Only an executor with an assignment is told the data key its FORWARDs must carry."""
+        assignments = self.wire_assignments(vgpus)
+        self._send_exec(ident, wire.welcome(assignments, self.cfg.heartbeat_interval_ms,
+                                            self.data_key if assignments else b""))
 
     def wire_assignments(self, vgpus: list[int], assignments: list[wire.Assignment] | None = None) -> list[list]:
         """The assignments (those in force by default) of the vGPUs among ``vgpus`` that the plan

@@ -27,6 +27,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import heapq
+import hmac
 import itertools
 import math
 import os
@@ -216,8 +217,9 @@ class Executor:
         self.hb_gen = 0
         self.exit_code = 0
         self.counters = {"batches": 0, "requests": 0, "forwarded": 0, "dropped_no_peer": 0,
-                         "bad_peer_messages": 0, "bad_jobs": 0, "run_us": 0, "wait_us": 0,
-                         "loop_lag_max_us": 0}
+                         "bad_peer_messages": 0, "forwards_refused": 0, "bad_jobs": 0, "run_us": 0,
+                         "wait_us": 0, "loop_lag_max_us": 0}
+        self.data_key = b""  # WELCOME's: every FORWARD to or from this executor carries it
 
     # --- life cycle ---------------------------------------------------------------------------
 
@@ -312,6 +314,7 @@ class Executor:
             elif t == T.PEERS:
                 self.on_peers(h.directory)
             elif t == T.WELCOME:
+                self.data_key = h.data_key
                 self.on_welcome(h.assignments, h.heartbeat_ms)
             elif t == T.PREPARE:
                 self.on_prepare(h.prep, h.assignments)
@@ -566,6 +569,10 @@ class Executor:
                 raise wire.ProtocolError(wire.MALFORMED, "FORWARD with a tensor spec carries no frame")
             if hop < 1:
                 raise wire.ProtocolError(wire.MALFORMED, "FORWARD.hop: hop 0 comes only from the scheduler")
+            if not self.data_key or not hmac.compare_digest(h.key, self.data_key):
+                self.counters["forwards_refused"] += 1
+                raise wire.ProtocolError(wire.UNAUTHORIZED, "FORWARD without the scheduler's data key "
+                                         "(from a socket that is no executor of this plan)")
             self.accept(Job(batch, path, starts, hop, ids, msg[1:], meta, now_us(), next(self.seq)))
         except wire.ProtocolError as e:
             self.counters["bad_peer_messages"] += 1
@@ -617,7 +624,7 @@ class Executor:
             local.push(Job(job.batch, job.path, job.starts, job.hop + 1, ids, frames, meta, now_us(),
                            next(self.seq)))
             return
-        msg = [wire.forward(job.batch, job.path, job.starts, job.hop + 1, ids, meta), *frames]
+        msg = [wire.forward(job.batch, job.path, job.starts, job.hop + 1, ids, meta, self.data_key), *frames]
         self._send_peer(nxt, job.batch, msg, now_us() + PEER_RETRY_US)
 
     def _send_peer(self, vgpu: int, batch: int, msg: list, give_up_us: int) -> None:
