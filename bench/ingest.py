@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import uvloop
 
-from ppiped.commands.loadgen import run_load
+from ppiped.commands.loadgen import recovery_after, run_load
 from ppiped.daemon.config import BACKENDS
 from ppiped.daemon.launch import (
     LocalCluster,
@@ -203,24 +203,13 @@ def recovery(args: argparse.Namespace) -> dict:
             r = uvloop.run(run_load(c.client_endpoint, {"tiny": args.recovery_rate}, args.recovery_duration,
                                     seed=args.seed, on_tick=on_tick, keep_samples=True))
             st = c.status()
-        win = args.window
-        samples = r["samples"]
         t_kill = killed.get("t", kill_at)
-        windows: dict[int, list[int]] = {}
-        for t, hit in samples:
-            windows.setdefault(int(t // win), []).append(hit)
-        series = [(round(k * win, 3), sum(v) / len(v)) for k, v in sorted(windows.items())]
-        # recovered: the end of the last window, within 3 s of the kill, whose attainment is < 99%
-        after = [(t, a) for t, a in series if t + win > t_kill and t < t_kill + 3.0]
-        bad = [t for t, a in after if a < 0.99]
-        recovery_s = max(0.0, bad[-1] + win - t_kill) if bad else 0.0
-        worst = min((a for _, a in after), default=1.0)
+        rec = recovery_after(r["samples"], t_kill, args.window)
         out = {
             "bench": "recovery", "rate_rps": args.recovery_rate, "killed_at_s": round(t_kill, 3),
             "sent": r["total"]["sent"], "no_reply": r["total"]["no_reply"],
-            "attainment": r["total"]["attainment"], "worst_window_attainment": worst,
-            "recovery_s": round(recovery_s, 3), "window_s": win,
-            "series": [(t, round(a, 4)) for t, a in series],
+            "attainment": r["total"]["attainment"], "worst_window_attainment": rec["worst_window_attainment"],
+            "recovery_s": rec["recovery_s"], "window_s": args.window, "series": rec["series"],
             "executors_lost": st["counters"].get("executors_lost", 0),
             "retried": st["counters"].get("retried", 0), "batches_lost": st["counters"].get("batches_lost", 0),
             "drop_reasons": r["models"][0]["drop_reasons"],

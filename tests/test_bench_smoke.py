@@ -111,15 +111,25 @@ def test_faults_bench_short_run():
                           "--flood", "5000"], capture_output=True, text=True, timeout=600)
     recs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     rows = {r["case"]: r for r in recs if "case" in r}
-    assert set(rows) == {"forged-results", "tcp-ctl-stop", "oversize-payloads", "daemon-restart", "flood"}
+    assert set(rows) == {"forged-results", "forward-injection", "forward-injection-curve", "unauthorized-register",
+                         "tcp-ctl-stop", "oversize-payloads", "daemon-restart", "executor-kill", "executor-stop",
+                         "flood"}
     assert rows["forged-results"]["forged_accepted"] == 0 and rows["forged-results"]["forged_sent"] > 0
+    for case in ("forward-injection", "forward-injection-curve"):
+        assert rows[case]["forged_run"] == 0 and rows[case]["executors_lost"] == 0
+    assert rows["forward-injection"]["forged_sent"] > 0
+    assert rows["unauthorized-register"]["accepted"] == 0
+    assert rows["unauthorized-register"]["answers"]["plain, bogus data endpoint"] == "bad-endpoint"
     assert rows["tcp-ctl-stop"]["daemon_alive"]
     assert rows["oversize-payloads"]["growth_mb"] <= 64
     assert rows["daemon-restart"]["silent"] == 0 and rows["daemon-restart"]["pending"] == 100
+    assert rows["daemon-restart"]["under_load"]["no_reply"] == 0
+    for case in ("executor-kill", "executor-stop"):
+        assert rows[case]["no_reply"] == 0 and rows[case]["bad_echo"] == 0
     assert rows["flood"]["flooder"]["sent"] == 5000 and rows["flood"]["flooder"]["no_reply"] == 0
     (summary,) = [r for r in recs if r.get("summary")]
     # attainment targets depend on the host's load: the exit status only has to agree with them
-    assert summary["cases"] == 5 and out.returncode == (1 if summary["missed"] else 0)
+    assert summary["cases"] == 9 and out.returncode == (1 if summary["missed"] else 0)
 
 
 def test_overload_bench_short_run():

@@ -193,6 +193,22 @@ async def run_load(endpoint: str, rates: dict[str, float], duration_s: float, *,
     return out
 
 
+def recovery_after(samples: list[tuple[float, int]], t_event: float, window_s: float = 0.25,
+                   horizon_s: float = 3.0) -> dict[str, Any]:
+    """After an event at ``t_event`` (s, the samples' clock): attainment per ``window_s`` of send
+    time, the worst window within ``horizon_s`` after the event, and the recovery time: from the
+    event to the end of the last window within the horizon below 99 % (0: none was)."""
+    windows: dict[int, list[int]] = {}
+    for t, hit in samples:
+        windows.setdefault(int(t // window_s), []).append(hit)
+    series = [(round(k * window_s, 3), sum(v) / len(v)) for k, v in sorted(windows.items())]
+    after = [(t, a) for t, a in series if t + window_s > t_event and t < t_event + horizon_s]
+    bad = [t for t, a in after if a < 0.99]
+    return {"recovery_s": round(max(0.0, bad[-1] + window_s - t_event) if bad else 0.0, 3),
+            "worst_window_attainment": min((a for _, a in after), default=1.0),
+            "series": [(t, round(a, 4)) for t, a in series]}
+
+
 def format_report(r: dict[str, Any]) -> str:
     rows = [("model", "offered/s", "sent", "attain", "ok", "dropped", "rejected", "no-reply", "p50 ms",
              "p99 ms", "slo ms")]
@@ -246,6 +262,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-ms", type=float, help="per-request SLO (default: each model's)")
     p.add_argument("--check-echo", action="store_true", help="emulated executors: replies must echo the frame")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--key", help="CURVE: this client's secret key file (`ppiped keys`)")
+    p.add_argument("--server-key", help="CURVE: the scheduler's public key file")
     p.set_defaults(func=run)
 
 
@@ -255,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
     rates = parse_rates(args.rate)
     slo = {m: args.slo_ms for m in rates} if args.slo_ms else None
     r = uvloop.run(run_load(args.endpoint, rates, args.duration, kind=args.arrivals, seed=args.seed,
-                            frame_bytes=args.frame_bytes, slo_ms=slo, check_echo=args.check_echo, cv=args.cv))
+                            frame_bytes=args.frame_bytes, slo_ms=slo, check_echo=args.check_echo, cv=args.cv,
+                            key_file=args.key, server_key_file=args.server_key))
     if args.json:
         print(json.dumps(r))
     else:

@@ -1265,7 +1265,8 @@ class Server:
                                      "[request id, reason string, ...]")
         b = self.batches.get(bid)
         if b is None or b.answered:
-            self.counters["late_results"] += 1
+            # (a batch this scheduler never dispatched: forged, or from before a restart)
+            self.counters["late_results" if bid < self.next_batch else "results_never_dispatched"] += 1
             return
         if len(frames) != len(ids):
             raise wire.ProtocolError(wire.MALFORMED, f"RESULT for {len(ids)} requests carries {len(frames)} frames")

@@ -63,6 +63,12 @@ MAX_START_SKEW_US = 60_000_000
 
 REGISTER_RETRY_US = 1_000_000
 CANCELLED_MEMORY = 4096
+# The data socket is read in slices, so a flood on it (a local process pushing FORWARDs without
+# the data key) cannot starve the control socket, heartbeats and timers; behind this long with
+# refused FORWARDs in the backlog, it is read at most this share of the time.
+DATA_SLICE_US = 1000
+DATA_PACE_AFTER_US = 5000
+DATA_FLOOD_DUTY = 0.5
 PEER_RETRY_US = 200_000
 
 
@@ -250,7 +256,8 @@ class Executor:
             return 2
         self.timers = Timers(self.loop)
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
-        self.data_reader = Reader(self.loop, self.data, self.on_data)
+        self.data_reader = Reader(self.loop, self.data, self.on_data, budget_us=DATA_SLICE_US,
+                                  pace_after_us=DATA_PACE_AFTER_US, duty=DATA_FLOOD_DUTY)
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 self.loop.add_signal_handler(sig, self.stop, 0)
@@ -571,6 +578,7 @@ class Executor:
                 raise wire.ProtocolError(wire.MALFORMED, "FORWARD.hop: hop 0 comes only from the scheduler")
             if not self.data_key or not hmac.compare_digest(h.key, self.data_key):
                 self.counters["forwards_refused"] += 1
+                self.data_reader.flood()
                 raise wire.ProtocolError(wire.UNAUTHORIZED, "FORWARD without the scheduler's data key "
                                          "(from a socket that is no executor of this plan)")
             self.accept(Job(batch, path, starts, hop, ids, msg[1:], meta, now_us(), next(self.seq)))
