@@ -37,12 +37,14 @@ class _Behind:
     def __init__(self, busy_since: int) -> None:
         self.busy_since = busy_since
         self.floods = 0
+        self.flooded = False
 
     def kick(self) -> None:
         pass
 
     def flood(self) -> None:
         self.floods += 1
+        self.flooded = True
 
 
 def _replies(rig: Rig) -> list[list]:
@@ -207,6 +209,42 @@ def test_a_client_sending_most_of_a_backlog_beside_others_is_shed_at_once(tmp_pa
         assert reader.floods == 10 and srv.counters["shed_backlog"] == 10
         assert not [h for h in _replies_of(other) if h.status == Status.REJECTED]
         assert srv.stats[0].accepted == 20 + 10 + 2
+    finally:
+        other.close(0)
+        rig.close()
+
+
+def test_in_a_flood_the_other_clients_are_not_shed_for_the_backlog(tmp_path, monkeypatch):
+    """Long into a backlog marked a flood, a client over its equal share but within what the
+    others leave free is admitted: its messages are read in turn with the flood's, not behind it
+    (it is still held to the share and window rules)."""
+    monkeypatch.setattr(S, "BACKLOG_FLOOD_MSGS", 0)
+    rig = Rig(tmp_path, monkeypatch, extra="[limits]\nmax_backlog_ms = 5\n")
+    other = rig.ctx.socket(zmq.DEALER)
+    other.setsockopt(zmq.IDENTITY, b"P")
+    other.connect(rig.srv.client.getsockopt(zmq.LAST_ENDPOINT).decode())
+    try:
+        srv = rig.srv
+        srv.fair_cap[0] = 8.0  # two clients: an equal share of 4
+
+        def send(sock: zmq.Socket, cid: int) -> None:
+            send_parts(sock, [wire.submit(tiny.MODEL, 0, [cid]), b"a"])
+            assert srv.client.poll(1000)
+            srv.on_client(L.recv_parts(srv.client, 0))
+            srv.after_clients()
+
+        for k in range(3):
+            send(other, 1000 + k)  # in flight before the backlog
+        srv.client_reader = reader = _Behind(rig.t - 1_000)
+        send(other, 1003)  # 1 ms into the backlog: served
+        rig.t += 9_000  # 10 ms behind: past max_backlog_ms
+        for k in range(100, 110):
+            send(rig.cl, k)
+        assert reader.flooded
+        assert srv.counters["shed_backlog"] == 7  # the flooder's: its 4th message on
+        send(other, 1004)  # its 5th in flight: over the equal share, within what is free
+        assert not [h for h in _replies_of(other) if h.status == Status.REJECTED]
+        assert srv.stats[0].accepted == 5 + 3
     finally:
         other.close(0)
         rig.close()
@@ -595,7 +633,8 @@ def test_polite_client_is_served_beside_a_flooding_one():
             ok = [(i, o) for i, o in enumerate(outs) if isinstance(o, Result)]
             assert len(ok) >= 0.9 * n_polite, why
             assert all(o.data == b"p%d" % i for i, o in ok)
-            assert st["counters"].get("shed_share", 0) > 0  # the flooder was held to its share
+            # the flooder was held back: to its share, and once it sent most of a backlog, shed at once
+            assert st["counters"].get("shed_share", 0) + st["counters"].get("shed_backlog", 0) > 0
             assert c.server.poll() is None
         finally:
             ctx.destroy(0)

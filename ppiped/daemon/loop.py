@@ -240,6 +240,11 @@ class Reader:
         A backlog of many senders (the loop's own ceiling) is read at full speed."""
         self._flood_at = self.busy_since
 
+    @property
+    def flooded(self) -> bool:
+        """The current backlog was marked a flood (see :meth:`flood`)."""
+        return self.busy_since != 0 and self._flood_at == self.busy_since
+
     def drain_now(self) -> None:
         """Handle every message already queued (no time budget), before acting on what has *not*
         arrived."""
@@ -290,7 +295,7 @@ class Reader:
             if n and self._after is not None:
                 self._after()
         if cut:
-            if self._rest_us and self._flood_at == self.busy_since and now_us() - self.busy_since > self._pace_after:
+            if self._rest_us and self.flooded and now_us() - self.busy_since > self._pace_after:
                 self._rest()
             else:
                 self.kick()

@@ -692,11 +692,14 @@ class Server:
                 peer.msgs > BACKLOG_FEW_MSGS and peer.msgs * self.epoch_senders > self.epoch_msgs)
             # one client sending most of a backlog beside others is shed at once, not after the
             # SLO-scaled wait: what it gets admitted meanwhile fills the window others burst into
+            reader = self.client_reader
             if self.epoch_senders > 1 and peer.msgs > BACKLOG_FLOOD_MSGS and \
                     peer.msgs > FLOOD_SHARE * self.epoch_msgs:
-                behind_us = 0
-                self.client_reader.flood()
-            if t - since > behind_us and (flooding or sh.n + len(ids) > fair):
+                flooding, behind_us = True, 0
+                reader.flood()
+            # (in one client's flood the others' messages are read in turn, not behind it: they
+            # are not shed for the backlog, only by the share and window rules below)
+            if t - since > behind_us and (flooding or (sh.n + len(ids) > fair and not reader.flooded)):
                 self._shed(ident, ids, st, t, "backlog", f"client socket backlogged {(t - since) / 1000:.1f} ms")
                 return
         inflight = st.accepted - st.answered
