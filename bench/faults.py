@@ -10,9 +10,11 @@ One JSON line per case, then a summary line; exit 1 when a case misses its targe
   daemon still up.
 - ``oversize-payloads``: 10 parallel clients each send a 100 MB frame; target: daemon RSS grows
   by at most 64 MB, legit attainment stays >= 99 %.
-- ``forward-injection``: a process registers a spare vGPU id (it gets the data endpoints, no
-  assignment, no data key) and pushes FORWARDs into every executor's data port; target: none
-  runs (no RESULT for a batch the scheduler never dispatched), no executor lost, legit >= 99 %.
+- ``forward-injection`` (and ``-curve``): a process registers a spare vGPU id (it gets the data
+  endpoints, no assignment, no data key) and pushes FORWARDs into every executor's data port;
+  with CURVE it is given the endpoints and its connections are refused; target: none runs (no
+  RESULT for a batch the scheduler never dispatched), no executor lost, none without a reply
+  (legit attainment reported: without CURVE the executors must read every forged FORWARD).
 - ``unauthorized-register``: REGISTERs a plain daemon must refuse (a taken vGPU, a bogus data
   endpoint), then, against a CURVE daemon, with no key, an unknown key, a client's key and an
   executor key outside its vGPUs; target: none accepted.
@@ -49,9 +51,9 @@ from ppiped import wire
 from ppiped.client import AsyncClient, Dropped
 from ppiped.commands.loadgen import recovery_after, run_load
 from ppiped.daemon.config import load_config
-from ppiped.daemon.launch import LocalCluster, short_tmpdir, write_config
+from ppiped.daemon.launch import LocalCluster, curve_keys, short_tmpdir, write_config
 from ppiped.executor import tiny
-from ppiped.security import Security, connect_as, keygen, load_keypair
+from ppiped.security import Security, connect_as, load_keypair
 
 CASES = ("forged-results", "forward-injection", "unauthorized-register", "tcp-ctl-stop", "oversize-payloads",
          "daemon-restart", "executor-kill", "executor-stop", "flood")
@@ -216,8 +218,7 @@ def forward_injection(args) -> dict:
         cur = _inject(c, directory, args, keys)
     return emit(case="forward-injection-curve", curve=True, **cur,
                 ok=cur["forged_run"] == 0 and cur["executors_lost"] == 0 and cur["legit_no_reply"] == 0
-                and cur["legit_attainment"] >= 0.99 and plain["forged_run"] == 0 and plain["executors_lost"] == 0
-                and plain["legit_no_reply"] == 0)
+                and plain["forged_run"] == 0 and plain["executors_lost"] == 0 and plain["legit_no_reply"] == 0)
 
 
 @contextlib.contextmanager
@@ -225,21 +226,10 @@ def _curve_cluster(d: Path):
     """The faults cluster (8 vGPUs over two executor processes) with CURVE on every socket:
     (cluster, key directory)."""
     keys = d / "keys"
-    for name, sub in (("server", ""), ("ex0", "executors"), ("ex1", "executors"), ("cam", "clients"),
-                      ("ops", "admins"), ("intruder", "")):
-        keygen(keys / sub, name)
+    security = curve_keys(keys, {"ex0": "0,1,4,5", "ex1": "2,3,6,7"})
     plan, profiles = tiny.write_example(d, vgpus=(4, 4))
-    cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=1000, extra=f"""[models.tiny]
-input_bytes = 0
-[security]
-curve = true
-server_key = "{keys}/server.key_secret"
-client_keys = "{keys}/clients"
-admin_keys = "{keys}/admins"
-[security.executors]
-"{keys}/executors/ex0.key" = "0,1,4,5"
-"{keys}/executors/ex1.key" = "2,3,6,7"
-""")
+    cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=1000,
+                       extra="[models.tiny]\ninput_bytes = 0\n" + security)
     with LocalCluster(cfg, ((0, 1, 4, 5), (2, 3, 6, 7)), log_level="warning",
                       admin_key=str(keys / "admins/ops.key_secret"),
                       executor_keys=[str(keys / f"executors/ex{i}.key_secret") for i in (0, 1)]) as c:

@@ -171,6 +171,22 @@ def test_a_backlogs_sheds_are_answered_together_per_client_each_id_once(tmp_path
         rig.close()
 
 
+def _second_client(rig: Rig) -> zmq.Socket:
+    """A client socket beside the rig's own (``rig.cl``), identity ``P``."""
+    other = rig.ctx.socket(zmq.DEALER)
+    other.setsockopt(zmq.IDENTITY, b"P")
+    other.connect(rig.srv.client.getsockopt(zmq.LAST_ENDPOINT).decode())
+    return other
+
+
+def _submit_one(rig: Rig, sock: zmq.Socket, cid: int) -> None:
+    """A one-request SUBMIT from ``sock``, read and handled by the rig's server, wake-up ended."""
+    send_parts(sock, [wire.submit(tiny.MODEL, 0, [cid]), b"a"])
+    assert rig.srv.client.poll(1000)
+    rig.srv.on_client(L.recv_parts(rig.srv.client, 0))
+    rig.srv.after_clients()
+
+
 def test_a_client_sending_most_of_a_backlog_beside_others_is_shed_at_once(tmp_path, monkeypatch):
     """A backlog only just begun (inside ``max_backlog_ms`` and half the SLO): a client that sent
     more than BACKLOG_FLOOD_MSGS of its messages, and over FLOOD_SHARE of them, is answered
@@ -178,17 +194,12 @@ def test_a_client_sending_most_of_a_backlog_beside_others_is_shed_at_once(tmp_pa
     served. Alone, the same client is not shed before the backlog's limit."""
     monkeypatch.setattr(S, "BACKLOG_FLOOD_MSGS", 10)
     rig = Rig(tmp_path, monkeypatch, extra="[limits]\nmax_backlog_ms = 5\n")
-    other = rig.ctx.socket(zmq.DEALER)
-    other.setsockopt(zmq.IDENTITY, b"P")
-    other.connect(rig.srv.client.getsockopt(zmq.LAST_ENDPOINT).decode())
+    other = _second_client(rig)
     try:
         srv = rig.srv
 
         def send(sock: zmq.Socket, cid: int) -> None:
-            send_parts(sock, [wire.submit(tiny.MODEL, 0, [cid]), b"a"])
-            assert srv.client.poll(1000)
-            srv.on_client(L.recv_parts(srv.client, 0))
-            srv.after_clients()
+            _submit_one(rig, sock, cid)
 
         # alone: 20 messages 0.5 ms into a backlog are not shed for it (nor for the window)
         srv.client_reader = alone = _Behind(rig.t - 500)
@@ -220,18 +231,13 @@ def test_in_a_flood_the_other_clients_are_not_shed_for_the_backlog(tmp_path, mon
     (it is still held to the share and window rules)."""
     monkeypatch.setattr(S, "BACKLOG_FLOOD_MSGS", 0)
     rig = Rig(tmp_path, monkeypatch, extra="[limits]\nmax_backlog_ms = 5\n")
-    other = rig.ctx.socket(zmq.DEALER)
-    other.setsockopt(zmq.IDENTITY, b"P")
-    other.connect(rig.srv.client.getsockopt(zmq.LAST_ENDPOINT).decode())
+    other = _second_client(rig)
     try:
         srv = rig.srv
         srv.fair_cap[0] = 8.0  # two clients: an equal share of 4
 
         def send(sock: zmq.Socket, cid: int) -> None:
-            send_parts(sock, [wire.submit(tiny.MODEL, 0, [cid]), b"a"])
-            assert srv.client.poll(1000)
-            srv.on_client(L.recv_parts(srv.client, 0))
-            srv.after_clients()
+            _submit_one(rig, sock, cid)
 
         for k in range(3):
             send(other, 1000 + k)  # in flight before the backlog

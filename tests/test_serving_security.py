@@ -18,9 +18,9 @@ from conftest import tiny_cluster
 from ppiped import wire
 from ppiped.client import AsyncClient, Client, Dropped, Rejected
 from ppiped.daemon.config import load_config
-from ppiped.daemon.launch import LocalCluster, short_tmpdir, write_config
+from ppiped.daemon.launch import LocalCluster, curve_keys, short_tmpdir, write_config
 from ppiped.executor import tiny
-from ppiped.security import Security, connect_as, keygen, load_keypair
+from ppiped.security import Security, connect_as, load_keypair
 from ppiped.wire import Status, T
 
 
@@ -170,21 +170,8 @@ def curve_cluster():
     with short_tmpdir("ppiped-curve-") as d:
         d = Path(d)
         keys = d / "keys"
-        for name, sub in (("server", ""), ("ex01", "executors"), ("ex23", "executors"),
-                          ("cam", "clients"), ("ops", "admins"), ("intruder", "")):
-            keygen(keys / sub, name)
+        extra = "[models.tiny]\ninput_bytes = 0\n" + curve_keys(keys, {"ex01": "0-1", "ex23": "2-3"})
         plan, profiles = tiny.write_example(d)
-        extra = f"""[models.tiny]
-input_bytes = 0
-[security]
-curve = true
-server_key = "{keys}/server.key_secret"
-client_keys = "{keys}/clients"
-admin_keys = "{keys}/admins"
-[security.executors]
-"{keys}/executors/ex01.key" = "0-1"
-"{keys}/executors/ex23.key" = "2-3"
-"""
         cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=1000,
                            scheduler={"wait_guard_us": 25_000}, extra=extra)
         c = LocalCluster(cfg, ((0, 1), (2, 3)), log_level="info", admin_key=str(keys / "admins/ops.key_secret"),

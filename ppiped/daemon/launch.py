@@ -56,6 +56,22 @@ def running_on(cpus: Sequence[int] | None):
             os.sched_setaffinity(0, mine)
 
 
+def curve_keys(directory: Path, executors: dict[str, str], clients: Sequence[str] = ("cam",),
+               admins: Sequence[str] = ("ops",), unlisted: Sequence[str] = ("intruder",)) -> str:
+    """Keypairs for a CURVE cluster under ``directory`` (``server``, ``executors/NAME`` for each
+    executor name -> its vGPU ranges, ``clients/NAME``, ``admins/NAME``, and keys nobody allowed
+    at the top); returns the ``[security]`` config lines that use them."""
+    from ..security import keygen
+
+    for name, sub in (("server", ""), *((n, "executors") for n in executors), *((n, "clients") for n in clients),
+                      *((n, "admins") for n in admins), *((n, "") for n in unlisted)):
+        keygen(directory / sub, name)
+    lines = [f'[security]\ncurve = true\nserver_key = "{directory}/server.key_secret"\n'
+             f'client_keys = "{directory}/clients"\nadmin_keys = "{directory}/admins"\n[security.executors]']
+    lines += [f'"{directory}/executors/{n}.key" = "{v}"' for n, v in executors.items()]
+    return "\n".join(lines) + "\n"
+
+
 def write_config(directory: Path, plan: Path, profiles: Path, *, backend: str = "emulate",
                  partitions: str = "", heartbeat_ms: int = 100, timeout_ms: int = 1000,
                  scheduler: dict[str, Any] | None = None,
