@@ -92,6 +92,7 @@ F_MARGIN_PRIOR = 58  # high-quantile margin assumed for a vGPU that has reported
 F_CLASS_ROOM = 59  # share of a model's SLO its low class leaves to the high class while both are active
 F_PRESSURE_ROOM = 60  # PARD: most of the SLO kept free of bookings while the model is under pressure
 F_NOISE_Z = 61  # deadline checks keep this many standard deviations of the path's latency noise (0: none)
+F_ROOM_Q = 62  # PARD: quantile of how much later than booked paths end that the learned room covers
 SEC_TABLE = 64
 
 POLICY_PPIPE = 0

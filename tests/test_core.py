@@ -484,9 +484,13 @@ def test_pard_keeps_a_room_free_of_bookings_under_pressure(policy):
         assert d.request_ids == (3,) and d.finish_us == pytest.approx(200.0)
 
 
-def test_the_room_learns_how_late_paths_end():
+@pytest.mark.parametrize("q", [None, 0.99])
+def test_the_room_learns_how_late_paths_end(q):
+    """The room moves towards the ``room_quantile`` (0.995 by default) quantile of how much later
+    than booked paths end: up by 1 % of the SLO x q past it, down by 1 % x (1 - q) within it."""
     plan, profs = _one_pool_case(nv=1, bs=1, slo=1000.0, parts=2)
-    s = Scheduler(plan, profs, "pard")
+    s = Scheduler(plan, profs, "pard", **({} if q is None else {"room_quantile": q}))
+    q = 0.995 if q is None else q
     room = s._arena.view("m_room")
     assert room[0] == pytest.approx(100.0)  # half the most (0.2 SLO) to start with
     for i, late in enumerate([300.0, 300.0, 0.0]):
@@ -498,10 +502,10 @@ def test_the_room_learns_how_late_paths_end():
         s.report(first.handle, first.start_us, first.end_us)  # not a last hop: no change
         assert room[0] == before
         s.report(last.handle, last.start_us, last.end_us + late)
-        if late:  # ended later than booked by more than the room: up by 1 % of the SLO x 0.99
-            assert room[0] == pytest.approx(before + 9.9)
+        if late:  # ended later than booked by more than the room
+            assert room[0] == pytest.approx(before + 10.0 * q)
         else:
-            assert room[0] == pytest.approx(before - 0.1)
+            assert room[0] == pytest.approx(before - 10.0 * (1 - q))
 
 
 def test_reactive_ignores_the_priority_class():

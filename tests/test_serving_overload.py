@@ -428,12 +428,17 @@ def test_scheduler_rooms_are_configurable_and_checked(tmp_path):
 
     plan, profiles = tiny.write_example(tmp_path)
     cfg = load_config(write_config(tmp_path, plan, profiles,
-                                   scheduler={"policy": "pard", "class_room": 0.1, "pressure_room": 0.3}))
+                                   scheduler={"policy": "pard", "class_room": 0.1, "pressure_room": 0.3,
+                                              "room_quantile": 0.98}))
     srv = S.Server(cfg, *load_serving(cfg))
     assert srv.core_kw["class_room"] == 0.1 and srv.core_kw["pressure_room"] == 0.3
+    assert srv.core_kw["room_quantile"] == 0.98
     assert srv.core.policy.name == "pard"
     cfg = load_config(write_config(tmp_path, plan, profiles, scheduler={"class_room": 1.5}))
     with pytest.raises(ConfigError, match="scheduler: class_room and pressure_room must be within"):
+        S.Server(cfg, *load_serving(cfg))
+    cfg = load_config(write_config(tmp_path, plan, profiles, scheduler={"room_quantile": 1.0}))
+    with pytest.raises(ConfigError, match=r"scheduler: room_quantile must be within \(0, 1\), got 1.0"):
         S.Server(cfg, *load_serving(cfg))
 
 

@@ -30,7 +30,7 @@ The scheduler
 -------------
 ``Scheduler(plan, profiles, policy="ppipe", layout=None, *, min_wait_us=1.0, wait_guard_us=0.0,
 margin_quantile=0.9, margin_quantile_hi=0.99, margin_step=0.02, margin_max=4.0, margin_prior=1.25,
-class_room=0.25, pressure_room=0.2, noise_z=0.0, work_conserving=True)``
+class_room=0.25, pressure_room=0.2, noise_z=0.0, room_quantile=0.995, work_conserving=True)``
 
 - ``submit(req_id, model, arrival_us, deadline_us=None, priority=0)``: queue a request (deadline
   defaults to arrival + the model's SLO from the plan). ``priority`` > 0 is the high class
@@ -119,7 +119,7 @@ Policies (``POLICIES``; a :class:`Policy` is knobs of the one algorithm, not a c
   and every request it cannot serve in time is dropped now (``early-drop``) on the probe's
   whole-path estimate; for one SLO after such a drop, batches take the latest deadlines first
   (high-budget-first, the DEPQ's max end), then earliest-deadline order returns. Under pressure
-  it books against the deadline less the model's *room*: the ``margin_quantile_hi`` quantile of
+  it books against the deadline less the model's *room*: the ``room_quantile`` quantile of
   how much later than booked its paths' last hops end, learned from reports within
   [0, ``pressure_room`` x SLO] (starting at half of it).
 

@@ -104,7 +104,8 @@ class RefScheduler:
                  wait_guard_us: float = 0.0, early_drop: bool = False, margin_quantile: float = 0.9,
                  margin_quantile_hi: float = 0.99, margin_step: float = 0.02, margin_max: float = 4.0,
                  work_conserving: bool = True, pard: bool | Sequence[bool] = False, margin_prior: float = 1.25,
-                 class_room: float = 0.25, pressure_room: float = 0.2, noise_z: float = 0.0):
+                 class_room: float = 0.25, pressure_room: float = 0.2, noise_z: float = 0.0,
+                 room_quantile: float = 0.995):
         self.L = layout
         self.policy = policy
         self.min_wait = min_wait_us
@@ -131,6 +132,7 @@ class RefScheduler:
         self.hi_until = [-INF] * len(layout.models)  # the high class is active until
         self.room = class_room
         self.proom_max = pressure_room
+        self.room_q = room_quantile
         # per model, the learned room kept free of bookings under pressure (µs)
         self.proom = [0.5 * pressure_room * float(x) for x in layout.slo_us]
         M, P = len(layout.models), layout.num_pools
@@ -433,7 +435,7 @@ class RefScheduler:
             if fin > -INF:  # the last hop of its path: the room learns how late paths end
                 self.recent[v][(h >> 20) % 16] = (hh, prof, -INF)
                 mi = int(self.L.v_model[v])
-                slo, r, q = float(self.L.slo_us[mi]), self.proom[mi], self.mqs[1]
+                slo, r, q = float(self.L.slo_us[mi]), self.proom[mi], self.room_q
                 r += 0.01 * slo * (q if end - fin > r else q - 1.0)
                 self.proom[mi] = min(max(r, 0.0), self.proom_max * slo)
 

@@ -163,7 +163,7 @@ class Scheduler:
                  layout: Layout | None = None, *, min_wait_us: float = 1.0, wait_guard_us: float = 0.0,
                  margin_quantile: float = 0.9, margin_quantile_hi: float = 0.99, margin_step: float = 0.02,
                  margin_max: float = 4.0, margin_prior: float = 1.25, class_room: float = 0.25,
-                 pressure_room: float = 0.2, noise_z: float = 0.0,
+                 pressure_room: float = 0.2, noise_z: float = 0.0, room_quantile: float = 0.995,
                  work_conserving: bool = True, pard_exempt: Iterable[str] | None = None,
                  table_capacity: int = 32, queue_capacity: int = 256, request_slots: int = 1024):
         if isinstance(policy, str):
@@ -178,6 +178,8 @@ class Scheduler:
         if not 0.0 <= class_room < 1.0 or not 0.0 <= pressure_room < 1.0:
             raise ValueError(f"class_room and pressure_room must be within [0, 1), got {class_room}, "
                              f"{pressure_room}")
+        if not 0.0 < room_quantile < 1.0:
+            raise ValueError(f"room_quantile must be within (0, 1), got {room_quantile}")
         if not (0.0 <= noise_z < 10.0):
             raise ValueError(f"noise_z is a number of standard deviations in [0, 10), got {noise_z}")
         if margin_step < 0.0 or margin_max < 1.0:
@@ -229,6 +231,7 @@ class Scheduler:
         a.F[S.F_CLASS_ROOM] = class_room
         a.F[S.F_PRESSURE_ROOM] = pressure_room
         a.F[S.F_NOISE_Z] = noise_z
+        a.F[S.F_ROOM_Q] = room_quantile
         a.view("m_hi_until")[:] = -np.inf
         a.view("v_margin")[:] = 1.0
         a.view("v_margin_hi")[:] = 1.0

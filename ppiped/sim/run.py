@@ -63,6 +63,7 @@ class SimOptions:
     margin_step: float = 0.02
     class_room: float = 0.25  # share of the SLO the low class leaves to the high class
     pressure_room: float = 0.2  # PARD: most of the SLO left unbooked under pressure (learned below it)
+    room_quantile: float = 0.995  # PARD: quantile of how late paths end that the learned room covers
     noise_z: float = 0.0  # deadline checks keep this many sds of the path's latency noise
     margin_quantile_hi: float = 0.99  # the margins' quantile while a model is under pressure
 
@@ -82,6 +83,7 @@ class Simulation:
                                margin_quantile_hi=max(opt.margin_quantile, opt.margin_quantile_hi),
                                margin_step=opt.margin_step, class_room=opt.class_room,
                                pressure_room=opt.pressure_room, noise_z=opt.noise_z,
+                               room_quantile=opt.room_quantile,
                                work_conserving=math.isinf(opt.start_early_us))
         lay = self.layout = self.sched.layout
         M = len(lay.models)
