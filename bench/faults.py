@@ -105,15 +105,28 @@ class _Load:
             return {"attainment": 0.0, "no_reply": -1, "bad_echo": -1}
 
 
+def _spare_executor(c: LocalCluster, d: Path) -> tuple[zmq.Context, zmq.Socket, dict[int, str]]:
+    """A socket registered as an executor of a vGPU id the plan lacks (standby), and the data
+    endpoints the scheduler's PEERS told it."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(load_config(c.config).executor)
+    s.send(wire.register([500], f"ipc://{d}/intruder.sock", "emulate", os.getpid(), 0, 1))
+    directory: dict[int, str] = {}
+    end = time.monotonic() + 5
+    while not directory and time.monotonic() < end:
+        if s.poll(100):
+            h = wire.decode(s.recv_multipart()[0])
+            if h.type == wire.T.PEERS:
+                flat = h.directory
+                directory = {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2) if flat[i] != 500}
+    return ctx, s, directory
+
+
 def forged_results(args) -> dict:
     with short_tmpdir("ppiped-faults-") as d, _cluster(Path(d)) as c:
-        ctx = zmq.Context()
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(load_config(c.config).executor)
-        s.send(wire.register([500], f"ipc://{d}/forger.sock", "emulate", os.getpid(), 0, 1))
-        assert s.poll(5000)
-        s.recv_multipart()
+        ctx, s, _ = _spare_executor(c, Path(d))
         load = _Load(c, args.rate, args.seconds)
         time.sleep(0.5)  # the load is running
         sent = 0
@@ -133,25 +146,6 @@ def forged_results(args) -> dict:
                     refused=st["counters"].get("foreign_results", 0) + st["counters"].get("late_results", 0),
                     legit_attainment=load.get("attainment"), legit_no_reply=load.get("no_reply"),
                     ok=wrong == 0 and load.get("no_reply", 1) == 0)
-
-
-def _spare_executor(c: LocalCluster, d: Path) -> tuple[zmq.Context, zmq.Socket, dict[int, str]]:
-    """A socket registered as an executor of a vGPU id the plan lacks (standby), and the data
-    endpoints the scheduler's PEERS told it."""
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(load_config(c.config).executor)
-    s.send(wire.register([500], f"ipc://{d}/intruder.sock", "emulate", os.getpid(), 0, 1))
-    directory: dict[int, str] = {}
-    end = time.monotonic() + 5
-    while not directory and time.monotonic() < end:
-        if s.poll(100):
-            h = wire.decode(s.recv_multipart()[0])
-            if h.type == wire.T.PEERS:
-                flat = h.directory
-                directory = {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2) if flat[i] != 500}
-    return ctx, s, directory
 
 
 def forward_child(directory: dict[int, str], seconds: float) -> dict:

@@ -210,7 +210,10 @@ class Reader:
     so a flood on one socket cannot starve the others and the timers. ``busy_since``: when the
     current run of wake-ups began that has not yet found the socket empty (0: it was empty at the
     last look); every message now queued arrived after the socket was last seen empty, so this
-    bounds how long the reader has been behind, a backlog signal that needs no sender clock."""
+    bounds how long the reader has been behind, a backlog signal that needs no sender clock.
+    ``pace_after_us`` / ``duty``: once the handler has called the current backlog a flood
+    (:meth:`flood`) and it is older than ``pace_after_us``, a wake-up cut by its budget is
+    followed by a rest, so the socket gets at most ``duty`` of the loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket,
                  handler: Callable[[list], None], after: Callable[[], None] | None = None,
