@@ -34,6 +34,7 @@ from .state import (
     F_NOISE_Z,
     F_PRESSURE_ROOM,
     F_ROOM_Q,
+    F_SHARE_WINDOW,
     F_WAKE,
     FULL_BATCH,
     FULL_OUT,
@@ -50,6 +51,7 @@ from .state import (
     H_CT_PROBES,
     H_CT_REPORT,
     H_CT_RESERVE,
+    H_CT_SHARE_HOLD,
     H_EARLY,
     H_K,
     H_M,
@@ -82,6 +84,17 @@ from .state import (
     POLICY_REACTIVE,
     RK,
     ROOM_STEP,
+    SH_ARATE,
+    SH_N,
+    SH_NA,
+    SH_RATE,
+    SH_T,
+    SH_TOK,
+    SH_W0,
+    SHARE_BURST,
+    SHARE_COLS,
+    SHARE_OVER,
+    SHARE_SHORT,
     TB,
     X_B_FINAL,
     X_B_FREE,
@@ -94,9 +107,11 @@ from .state import (
     X_M_HI_UNTIL,
     X_M_HOLD,
     X_M_LAST,
+    X_M_NEAR,
     X_M_PARD,
     X_M_PGAP,
     X_M_ROOM,
+    X_M_SHARE,
     X_MODEL_PIPE0,
     X_OD_BS,
     X_OD_FINAL,
@@ -581,6 +596,46 @@ def _emit_req(A, slot, src):
     A[H_OUT_NQ] = i + 1
 
 
+@njit(cache=True, inline="always")
+def _share_roll(A, F, m, now):
+    """Close model ``m``'s dispatch-count window if it is over; refill its tokens."""
+    o = off(A, X_M_SHARE) + m * SHARE_COLS
+    w = F[F_SHARE_WINDOW] * F[off(A, X_M_HOLD) + m]
+    if now - F[o + SH_W0] >= w:
+        F[o + SH_RATE] = F[o + SH_N] / max(now - F[o + SH_W0], 1.0)
+        F[o + SH_ARATE] = F[o + SH_NA] / max(now - F[o + SH_W0], 1.0)
+        F[o + SH_N] = 0.0
+        F[o + SH_NA] = 0.0
+        F[o + SH_W0] = now
+    gap = F[off(A, X_M_PGAP) + m]
+    if gap < INF:
+        burst = SHARE_BURST * F[off(A, X_M_HOLD) + m] / gap
+        F[o + SH_TOK] = min(F[o + SH_TOK] + (now - F[o + SH_T]) * SHARE_OVER / gap, max(burst, 1.0))
+    F[o + SH_T] = now
+
+
+@njit(b1(I1, F1, i8, f8), cache=True)
+def _share_capped(A, F, m, now):
+    """Whether model ``m`` must wait for tokens: its bucket is empty while another model is
+    under pressure and dispatched less than its planned rate in its last window. Why: models
+    share the servers' NICs, and under overload the one that books furthest ahead takes the
+    others' planned share of them."""
+    if A[H_PARD] == 0 or A[off(A, X_M_PARD) + m] == 0 or A[off(A, X_Q_SIZE) + _hiq(A, m)] > 0:
+        return False
+    o = off(A, X_M_SHARE) + m * SHARE_COLS
+    if F[o + SH_TOK] >= 1.0:
+        return False
+    o_pg = off(A, X_M_PGAP)
+    o_near = off(A, X_M_NEAR) + m * A[H_M]
+    for j in range(A[H_M]):
+        if j != m and A[o_near + j] != 0:
+            oj = off(A, X_M_SHARE) + j * SHARE_COLS
+            if (F[oj + SH_RATE] * F[o_pg + j] < SHARE_SHORT and F[o_pg + j] < INF
+                    and F[oj + SH_ARATE] > 1.02 * F[oj + SH_RATE]):
+                return True
+    return False
+
+
 @njit(i8(I1, F1, i8, i8, i8, i8, f8, f8, b1), cache=True)
 def _commit_ppipe(A, F, m, p, take, buf, fin, now, from_max):
     """Reserve the path in scratch ``buf`` and dispatch ``take`` requests: the high class first
@@ -641,6 +696,9 @@ def _commit_ppipe(A, F, m, p, take, buf, fin, now, from_max):
         _emit_req(A, slot, -1)
         _free_slot(A, slot)
     _end_dispatch(A, F, d, fin)
+    o = off(A, X_M_SHARE) + m * SHARE_COLS
+    F[o + SH_N] += take
+    F[o + SH_TOK] -= take
     return OK
 
 
@@ -712,6 +770,13 @@ def _ppipe_queue(A, F, m, now):
         n = A[o_qs + m] + A[o_qs + hq]
         if n == 0:
             F[o_qw + m] = INF
+            return OK
+        _share_roll(A, F, m, now)
+        if _share_capped(A, F, m, now):
+            A[H_CT_SHARE_HOLD] += 1
+            o = off(A, X_M_SHARE) + m * SHARE_COLS
+            gap = F[off(A, X_M_PGAP) + m] / SHARE_OVER
+            F[o_qw + m] = max(now + (1.0 - F[o + SH_TOK]) * gap, now + 1.0)
             return OK
         # under pressure, PARD books against the deadline less the model's learned room (how
         # much later than booked its paths end, at a high quantile): the tables are then full
@@ -1068,6 +1133,7 @@ def _enqueue(A, F, rid, model, arrival, deadline, prio):
             gap = max(arrival - F[o_last], 0.0)
             F[o_gap] = gap if F[o_gap] == INF else 0.75 * F[o_gap] + 0.25 * gap
         F[o_last] = max(F[o_last], arrival)
+        F[off(A, X_M_SHARE) + model * SHARE_COLS + SH_NA] += 1.0
     push(F, A, queues_desc(A), q, slot)
     A[off(A, X_Q_DIRTY) + model] = 1
     return OK

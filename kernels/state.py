@@ -74,6 +74,7 @@ H_CT_REPORT = 34
 H_CT_GC = 35
 H_CALL_PROBES = 36
 H_CT_RESERVE = 37
+H_CT_SHARE_HOLD = 38  # queue passes PARD's NIC share held back
 H_OUT_ND = 40
 H_OUT_NR = 41
 H_OUT_NQ = 42
@@ -93,6 +94,7 @@ F_CLASS_ROOM = 59  # share of a model's SLO its low class leaves to the high cla
 F_PRESSURE_ROOM = 60  # PARD: most of the SLO kept free of bookings while the model is under pressure
 F_NOISE_Z = 61  # deadline checks keep this many standard deviations of the path's latency noise (0: none)
 F_ROOM_Q = 62  # PARD: quantile of how much later than booked paths end that the learned room covers
+F_SHARE_WINDOW = 63  # PARD's NIC share: holds (SLOs) per window of a model's dispatch and arrival counts
 SEC_TABLE = 64
 
 POLICY_PPIPE = 0
@@ -213,6 +215,8 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("m_room", "f", ("M",)),
     ("m_pgap", "f", ("M",)),
     ("m_pard", "i", ("M",)),
+    ("m_share", "f", ("M", "SHARE")),
+    ("m_near", "i", ("M", "M")),  # 1 where two models have vGPUs on a common server (share its NIC)  # window start, requests dispatched in it, last window's rate, tokens, tokens' time
 )
 # section indices, in SECTIONS order (tests check they agree)
 X_V_SERVER = 0
@@ -305,6 +309,13 @@ X_V_RFIN = 85  # per vGPU ring (as V_RH): the booked end of the path if that use
 X_M_ROOM = 86  # per model: the learned room, a high quantile of how much later than booked paths end
 X_M_PGAP = 87  # per model: the arrival gap at its planned rate
 X_M_PARD = 88  # per model: 1 where PARD's proactive drops and high-budget-first apply (H_PARD set)
+X_M_SHARE = 89
+X_M_NEAR = 90
+SH_W0, SH_N, SH_RATE, SH_TOK, SH_T, SH_NA, SH_ARATE = 0, 1, 2, 3, 4, 5, 6
+SHARE_COLS = 7
+SHARE_OVER = 1.02  # a capped model may dispatch this much more than its planned rate
+SHARE_SHORT = 0.97  # a model under pressure is short below this share of its planned rate
+SHARE_BURST = 0.5  # holds of planned arrivals a capped model's bucket holds
 ROOM_STEP = 0.01  # learning step of the room, as a share of the SLO
 RK = 16
 MARGIN_WARM = 32
@@ -326,6 +337,8 @@ def _dim(dims: dict[str, int], name: str) -> int:
         return 2
     if name == "RK":
         return RK
+    if name == "SHARE":
+        return SHARE_COLS
     return dims[name]
 
 

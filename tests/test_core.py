@@ -8,6 +8,7 @@ overlap, reservations follow the path in time, ppipe dispatches meet their reque
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import random
@@ -99,18 +100,26 @@ def _same(k, r):
 
 
 def run_lockstep(seed: int, policy: str = "ppipe", n_req: int = 60, fail_vgpu: bool = True,
-                 sched_kw: dict | None = None, check_ref: bool = True, high_share: float = 0.0):
+                 sched_kw: dict | None = None, check_ref: bool = True, high_share: float = 0.0,
+                 gap_scale: float = 1.0, refs: list | None = None, planned_share: float | None = None):
     """Drive a Scheduler (and the reference) through a random workload, a ``high_share`` of it
-    in the high priority class; returns the log."""
+    in the high priority class, its arrival gaps scaled by ``gap_scale`` (and the plan's rates
+    set to ``planned_share`` of them); returns the log (and appends the reference to ``refs``)."""
     rnd = random.Random(seed * 7919 + 1)
     plan, profiles = make_case(seed)
-    sch = Scheduler(plan, profiles, policy, **(sched_kw or {}))
-    lay = sch.layout
-    ref = RefScheduler(lay, "reactive" if policy == "reactive" else "ppipe",
-                       early_drop=policy == "ppipe-early-drop",
-                       pard=[policy == "pard" and m not in (sched_kw or {}).get("pard_exempt", ())
-                             for m in lay.models],
-                       noise_z=(sched_kw or {}).get("noise_z", 0.0)) if check_ref else None
+    kw = sched_kw or {}
+
+    def build(plan):
+        sch = Scheduler(plan, profiles, policy, **kw)
+        lay = sch.layout
+        ref = RefScheduler(lay, "reactive" if policy == "reactive" else "ppipe",
+                           early_drop=policy == "ppipe-early-drop",
+                           pard=[policy == "pard" and m not in kw.get("pard_exempt", ()) for m in lay.models],
+                           noise_z=kw.get("noise_z", 0.0),
+                           share_window=kw.get("share_window", 20.0)) if check_ref else None
+        return sch, lay, ref
+
+    sch, lay, ref = build(plan)
     M = len(lay.models)
     ev: list = []
     order = 0
@@ -121,7 +130,14 @@ def run_lockstep(seed: int, policy: str = "ppipe", n_req: int = 60, fail_vgpu: b
         heapq.heappush(ev, (t, order, kind, payload))
 
     t = 0.0
-    mean_gap = float(np.min(lay.lat[:, 0])) / max(1, lay.num_vgpus) * rnd.uniform(0.5, 6)
+    mean_gap = float(np.min(lay.lat[:, 0])) / max(1, lay.num_vgpus) * rnd.uniform(0.5, 6) * gap_scale
+    if planned_share is not None:
+        # the plan expects this share of the arrivals (the synthetic plans say 1 request/s)
+        rate = planned_share * 1e6 / (mean_gap * M)
+        sch, lay, ref = build(dataclasses.replace(
+            plan, models=[dataclasses.replace(m, throughput_rps=rate) for m in plan.models]))
+    if refs is not None:
+        refs.append(ref)
     deadline = {}
     for rid in range(n_req):
         t += rnd.expovariate(1.0 / mean_gap)
@@ -261,6 +277,26 @@ def test_early_drop_matches_reference(seed):
 @given(st.integers(0, 10**6))
 def test_pard_matches_reference(seed):
     run_lockstep(seed, "pard")
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 10**6))
+def test_pard_nic_share_matches_reference(seed):
+    """Overloaded, with count windows of half an SLO so that the NIC share's holds happen."""
+    run_lockstep(seed, "pard", n_req=300, sched_kw={"share_window": 0.5}, gap_scale=0.2, planned_share=0.5)
+
+
+def test_pard_nic_share_holds_a_model_back_beside_a_short_one():
+    """Some overloaded random cases (two models on a common server) must hold a model back;
+    the lockstep runs check that the kernel holds it back alike and every request still ends."""
+    holds = 0
+    for seed in range(40):
+        refs: list = []
+        _, sch = run_lockstep(seed, "pard", n_req=300, sched_kw={"share_window": 0.5}, gap_scale=0.2,
+                              refs=refs, planned_share=0.5)
+        assert sch.stats()["share_holds"] == refs[0].share_holds
+        holds += refs[0].share_holds
+    assert holds > 0
 
 
 @settings(max_examples=10, deadline=None)

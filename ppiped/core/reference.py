@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..kernels import state as S
 from .layout import Layout
 
 INF = math.inf
@@ -105,7 +106,7 @@ class RefScheduler:
                  margin_quantile_hi: float = 0.99, margin_step: float = 0.02, margin_max: float = 4.0,
                  work_conserving: bool = True, pard: bool | Sequence[bool] = False, margin_prior: float = 1.25,
                  class_room: float = 0.25, pressure_room: float = 0.2, noise_z: float = 0.0,
-                 room_quantile: float = 0.995):
+                 room_quantile: float = 0.995, share_window: float = 20.0):
         self.L = layout
         self.policy = policy
         self.min_wait = min_wait_us
@@ -133,8 +134,16 @@ class RefScheduler:
         self.room = class_room
         self.proom_max = pressure_room
         self.room_q = room_quantile
+        self.share_window = share_window
         # per model, the learned room kept free of bookings under pressure (µs)
         self.proom = [0.5 * pressure_room * float(x) for x in layout.slo_us]
+        # per model, the NIC share's state: [window start, dispatched in it, last window's
+        # dispatch rate, tokens, tokens' time, arrivals in it, last window's arrival rate]
+        planned = [1.0 / g for g in self.pgap]
+        self.share = [[0.0, 0.0, r, 1.0, 0.0, 0.0, r] for r in planned]
+        servers = [set(int(s) for s, vm in zip(layout.v_server, layout.v_model, strict=True) if vm == m) for m in range(M)]
+        self.near = [[bool(a & b) for b in servers] for a in servers]
+        self.share_holds = 0  # queue passes the NIC share held back
         M, P = len(layout.models), layout.num_pools
         self.queues: list[list[RefRequest]] = [[] for _ in range(M + P)]
         self.alive = [True] * layout.num_vgpus
@@ -162,6 +171,7 @@ class RefScheduler:
             gap = max(arrival - self.last[model], 0.0)
             self.gap[model] = gap if self.gap[model] == INF else 0.75 * self.gap[model] + 0.25 * gap
         self.last[model] = max(self.last[model], arrival)
+        self.share[model][5] += 1.0
         if self.policy != "ppipe":
             prio = 0
         slo = float(self.L.slo_us[model])
@@ -254,6 +264,10 @@ class RefScheduler:
         L, q = self.L, self.queues[m]
         while q:
             n = len(q)
+            self._share_roll(m, now)
+            if self._share_capped(m):
+                self.share_holds += 1
+                return max(now + (1.0 - self.share[m][3]) * self.pgap[m] / S.SHARE_OVER, now + 1.0)
             best = None
             shift = self.proom[m] if self.pard[m] and self.hbf_until[m] > now else 0.0
             if shift > 0 and self.hi_until[m] > now:
@@ -343,7 +357,29 @@ class RefScheduler:
             taken = set(d.rids)
             q[:] = [r for r in q if r.rid not in taken]
             out.append(d)
+            self.share[m][1] += take
+            self.share[m][3] -= take
         return INF
+
+    def _share_roll(self, m: int, now: float) -> None:
+        sh, slo = self.share[m], float(self.L.slo_us[m])
+        if now - sh[0] >= self.share_window * slo:
+            span = max(now - sh[0], 1.0)
+            sh[2], sh[6] = sh[1] / span, sh[5] / span
+            sh[0], sh[1], sh[5] = now, 0.0, 0.0
+        if self.pgap[m] < INF:
+            burst = S.SHARE_BURST * slo / self.pgap[m]
+            sh[3] = min(sh[3] + (now - sh[4]) * S.SHARE_OVER / self.pgap[m], max(burst, 1.0))
+        sh[4] = now
+
+    def _share_capped(self, m: int) -> bool:
+        """PARD holds model m to its planned rate while a model sharing a server with it is
+        offered more than it serves and serves under SHARE_SHORT of its planned rate."""
+        if not self.pard[m] or any(r.prio > 0 for r in self.queues[m]) or self.share[m][3] >= 1.0:
+            return False
+        return any(j != m and self.near[m][j] and self.pgap[j] < INF
+                   and sh[2] * self.pgap[j] < S.SHARE_SHORT and sh[6] > 1.02 * sh[2]
+                   for j, sh in enumerate(self.share))
 
     def _worth_waiting(self, m: int, p: int, n: int, b: int) -> bool:
         """Hold n requests for a batch of b only while arrivals exceed half of what batches of n

@@ -164,6 +164,7 @@ class Scheduler:
                  margin_quantile: float = 0.9, margin_quantile_hi: float = 0.99, margin_step: float = 0.02,
                  margin_max: float = 4.0, margin_prior: float = 1.25, class_room: float = 0.25,
                  pressure_room: float = 0.2, noise_z: float = 0.0, room_quantile: float = 0.995,
+                 share_window: float = 20.0,
                  work_conserving: bool = True, pard_exempt: Iterable[str] | None = None,
                  table_capacity: int = 32, queue_capacity: int = 256, request_slots: int = 1024):
         if isinstance(policy, str):
@@ -178,6 +179,8 @@ class Scheduler:
         if not 0.0 <= class_room < 1.0 or not 0.0 <= pressure_room < 1.0:
             raise ValueError(f"class_room and pressure_room must be within [0, 1), got {class_room}, "
                              f"{pressure_room}")
+        if not share_window > 0.0:
+            raise ValueError(f"share_window is a number of SLOs > 0, got {share_window}")
         if not 0.0 < room_quantile < 1.0:
             raise ValueError(f"room_quantile must be within (0, 1), got {room_quantile}")
         if not (0.0 <= noise_z < 10.0):
@@ -232,6 +235,7 @@ class Scheduler:
         a.F[S.F_PRESSURE_ROOM] = pressure_room
         a.F[S.F_NOISE_Z] = noise_z
         a.F[S.F_ROOM_Q] = room_quantile
+        a.F[S.F_SHARE_WINDOW] = share_window
         a.view("m_hi_until")[:] = -np.inf
         a.view("v_margin")[:] = 1.0
         a.view("v_margin_hi")[:] = 1.0
@@ -245,6 +249,12 @@ class Scheduler:
         a.view("m_hold")[:] = lay.slo_us
         a.A[S.H_PARD] = int(policy.pard)
         a.view("m_pard")[:] = [int(m not in self.pard_exempt) for m in lay.models]
+        share = a.view("m_share")
+        share[:, S.SH_RATE] = 1.0 / lay.planned_gap_us()
+        share[:, S.SH_ARATE] = share[:, S.SH_RATE]
+        share[:, S.SH_TOK] = 1.0
+        servers = [set(lay.v_server[lay.v_model == m].tolist()) for m in range(len(lay.models))]
+        a.view("m_near")[:] = [[int(bool(x & y)) for y in servers] for x in servers]
         a.A[S.H_PULL] = int(work_conserving)
         a.F[S.F_LAST_NOW] = -np.inf
         a.F[S.F_WAKE] = np.inf
@@ -400,7 +410,7 @@ class Scheduler:
             "drops": int(A[S.H_CT_DROP]), "probes": int(A[S.H_CT_PROBES]),
             "reservations": int(A[S.H_CT_RESERVE]), "reports": int(A[S.H_CT_REPORT]),
             "gc_removed": int(A[S.H_CT_GC]), "table_capacity": int(A[S.H_C]),
-            "arena_bytes": self._arena.nbytes,
+            "share_holds": int(A[S.H_CT_SHARE_HOLD]), "arena_bytes": self._arena.nbytes,
         }
 
     # --- growth ----------------------------------------------------------------------------
