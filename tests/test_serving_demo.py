@@ -135,7 +135,13 @@ def test_example_cnn_served_by_ort_partitions_cut_from_the_profile():
         (bare / "example.json").write_text(EXAMPLE_PROFILE.read_text())
         profile = example_with_model(bare, d / "example")
         assert profile == d / "example" / "example.json"
-        assert json.loads(profile.read_text()) == json.loads(EXAMPLE_PROFILE.read_text())
+        built, kept = json.loads(profile.read_text()), json.loads(EXAMPLE_PROFILE.read_text())
+        # the equivalence figures are ONNX Runtime's arithmetic, which moves between its releases
+        eq_built, eq_kept = built.pop("equivalence"), kept.pop("equivalence")
+        assert built == kept
+        assert eq_built["passed"] and eq_built["max_rel_error"] <= eq_built["tolerance"] == eq_kept["tolerance"]
+        assert {k: v for k, v in eq_built.items() if k not in ("max_rel_error", "per_output")} == {
+            k: v for k, v in eq_kept.items() if k not in ("max_rel_error", "per_output")}
         c = serve_and_compare(d, profile, [((0, 4), "P4"), ((4, 10), "V100")], frames=4)
         assert c.input_shape == json.loads(profile.read_text())["input"]["shape"]  # clients learn the input
         assert c.equal and not c.errors and c.frames == 4, c
