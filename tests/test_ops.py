@@ -71,6 +71,9 @@ BASE = {"plan": "p.json", "profiles": "profiles"}
     ({"executor": {"start_early_us": "soon"}}, "executor.start_early_us", 'number >= 0 or "inf"'),
     ({"executor": {"start_early_us": -5}}, "executor.start_early_us", 'number >= 0 or "inf"'),
     ({"executor": {"emulate_jitter": "inf"}}, "executor.emulate_jitter", "finite number"),
+    ({"executor": {"data_port_base": 70000}}, "executor.data_port_base", "TCP port in 1024..65535"),
+    ({"limits": {"max_slo_ms": 1000}, "models": {"tiny": {"slo_ms": 5000}}}, "models.tiny.slo_ms",
+     "over limits.max_slo_ms"),
 ])
 def test_config_errors_name_key_and_problem(extra, key, problem):
     with pytest.raises(ConfigError) as e:
@@ -282,6 +285,26 @@ def test_replan_rejects_bad_weights(ops, capsys):
     assert ctl.main(["--socket", ops.sock, "replan", "--weights", "tiny=1,nosuch=2", "--dry-run"]) == 1
     assert "unknown model" in capsys.readouterr().err
     assert ctl.main(["--socket", ops.sock, "replan", "--weights", "tiny"]) == 2
+
+
+def test_replan_refuses_a_broken_plan_file_and_keeps_serving(ops):
+    """A plan file with no models (it once crashed the daemon in compiled code), one that is not
+    JSON, one that is not UTF-8 and one that does not exist: each refused with a reason, the
+    daemon still on its plan."""
+    from ppiped.plan import save_plan
+
+    before = ctl.call(ops.sock, {"cmd": "status"})["plan_version"]
+    save_plan(ops.plan, ops.dir / "good.json")
+    good = json.loads((ops.dir / "good.json").read_text())
+    bodies = {"empty.json": json.dumps({**good, "models": []}).encode(), "text.json": b"not json",
+              "bytes.json": b"\xff\xfe{}"}
+    for name, body in bodies.items():
+        (ops.dir / name).write_bytes(body)
+    for name in [*bodies, "nosuch.json"]:
+        out = ctl.call(ops.sock, {"cmd": "replan", "plan_file": str(ops.dir / name), "wait": True})
+        assert out["ok"] is False and out["error"], (name, out)
+    st = ctl.call(ops.sock, {"cmd": "status"})
+    assert st["ok"] and st["plan_version"] == before and st["vgpus"]["alive"] == 4
 
 
 def test_replan_dry_run_keeps_the_plan(ops, capsys):

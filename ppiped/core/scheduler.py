@@ -192,6 +192,8 @@ class Scheduler:
         self.plan = plan
         self.policy = policy
         self.layout = lay = layout if layout is not None else Layout.from_plan(plan, profiles)
+        if not lay.models or lay.num_vgpus == 0:
+            raise ValueError(f"{plan.source}: the plan serves no model on any vGPU: nothing to schedule")
         # PARD drops proactively where nothing has been spent on a request yet: a later stage of
         # an app holds requests whose query already used GPU time upstream, and dropping one
         # wastes it (the invalid rate), so such stages keep PPipe's earliest-deadline batching

@@ -252,6 +252,9 @@ def _executor_settings(t: _Table, base: ExecutorSettings, allow_remote: bool) ->
                           f"got {s.backend!r}")
     if s.data_endpoint:
         check_endpoint(s.data_endpoint.replace("{vgpu}", "0"), t.key("data_endpoint"), t.source, allow_remote)
+    if not 1024 <= s.data_port_base <= 65535:
+        raise ConfigError(f"{t.source}: {t.key('data_port_base')}: expected a TCP port in 1024..65535 "
+                          f"(vGPU v listens on data_port_base + v), got {s.data_port_base}")
     t.done()
     return s
 
@@ -311,6 +314,9 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
     for name in list(models.d):
         mt = models.sub(name)
         slo = mt.get("slo_ms", None, "num+")
+        if slo is not None and slo > cfg.max_slo_ms:
+            raise ConfigError(f"{src}: models.{name}.slo_ms: {slo:g} is over limits.max_slo_ms "
+                              f"({cfg.max_slo_ms:g})")
         cfg.models[name] = ModelSettings(slo, mt.get("input_bytes", 0, "int0"))
         mt.done()
     models.done()

@@ -38,13 +38,18 @@ class CtlServer:
         self.srv, self.path, self.mode, self.group = srv, path, mode, group
         self.server: asyncio.AbstractServer | None = None
 
+    @staticmethod
+    def group_id(group: str, source: str) -> int:
+        """The gid of ``ctl.group`` (-1: unset); checked before the daemon binds anything."""
+        if not group:
+            return -1
+        try:
+            return grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise ConfigError(f"{source}: ctl.group: no group named {group!r}") from None
+
     async def start(self) -> None:
-        gid = -1
-        if self.group:
-            try:
-                gid = grp.getgrnam(self.group).gr_gid
-            except KeyError:
-                raise ConfigError(f"{self.srv.cfg.source}: ctl.group: no group named {self.group!r}") from None
+        gid = self.group_id(self.group, self.srv.cfg.source)
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         if os.path.exists(self.path):
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -84,6 +89,9 @@ class CtlServer:
                     out = await self.command(req)
                 except (ValueError, InputError) as e:
                     out = {"ok": False, "error": str(e)}
+                except Exception as e:  # noqa: BLE001 - an operator's request never takes the daemon down
+                    log.warning("ctl-command-failed", error=f"{type(e).__name__}: {e}")
+                    out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
                 writer.write(json.dumps(out).encode() + b"\n")
                 await writer.drain()
         except (ConnectionError, asyncio.LimitOverrunError, asyncio.IncompleteReadError, ValueError):

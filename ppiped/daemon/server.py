@@ -276,6 +276,15 @@ class Server:
             if name not in self.model_index:
                 raise ConfigError(f"{cfg.source}: models.{name}: not a model of the plan "
                                   f"({', '.join(self.model_names)})")
+        for v in range(self.nv):
+            ex = cfg.executor_settings(v)
+            if not ex.data_endpoint and ex.data_port_base + v > 65535:
+                raise ConfigError(f"{cfg.source}: executor.data_port_base: vGPU {v} would listen on port "
+                                  f"{ex.data_port_base + v} (> 65535); lower it")
+        for v in sorted(cfg.executors):
+            if v >= self.nv:
+                log.warning("config-executor-unused", key=f"executors.{v}",
+                            reason=f"the plan has vGPUs 0..{self.nv - 1}; ignored until a plan has it")
         self.slo_us: list[int] = []
         self.input_bytes: list[int] = []
         self._model_limits()
@@ -424,6 +433,7 @@ class Server:
             if bad := unavailable_cpus(cpus):
                 raise ConfigError(f"{cfg.source}: {key}: CPU {', '.join(map(str, bad))} not available to "
                                   f"this process (it may run on {format_ranges(sorted(os.sched_getaffinity(0)))})")
+        CtlServer.group_id(cfg.ctl_group, cfg.source)
         self.queries.start()  # glue workers, before anything listens: an import error stops us here
         self.zctx = zmq_context(cfg.io_threads, cfg.io_cpus)
         self.auth = start_authenticator(self.zctx, cfg.security)
@@ -448,7 +458,15 @@ class Server:
         self.exe_reader = Reader(self.loop, self.exe, self.on_exec, after=self.after_execs,
                                  budget_us=EXEC_SLICE_US)
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
-        await self._start_ops()
+        try:
+            await self._start_ops()
+        except ConfigError:
+            for r in (self.client_reader, self.exe_reader, self.ctl_reader):
+                r.close()  # before their sockets go: a watched FD closed under the loop aborts it
+            self.timers.close()
+            self.queries.close()
+            self._close_zmq()
+            raise
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 self.loop.add_signal_handler(sig, self.stop)
@@ -473,7 +491,6 @@ class Server:
         except (OSError, ConfigError) as e:
             self.ctl_server = None
             if self.cfg.ctl_socket:
-                self._close_zmq()
                 raise ConfigError(f"{self.cfg.source}: ctl.socket: cannot listen on {path}: {e}") from None
             log.warning("ctl-socket-unavailable", path=path, error=str(e))
         if self.cfg.metrics_port:
@@ -483,7 +500,6 @@ class Server:
             except OSError as e:
                 if self.ctl_server is not None:
                     await self.ctl_server.close()
-                self._close_zmq()
                 raise ConfigError(f"{self.cfg.source}: metrics.port: cannot listen on "
                                   f"{self.cfg.metrics_host}:{self.cfg.metrics_port}: {e}") from None
 
