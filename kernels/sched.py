@@ -620,8 +620,8 @@ def _share_capped(A, F, m, now):
     under pressure and dispatched less than its planned rate in its last window. Why: models
     share the servers' NICs, and under overload the one that books furthest ahead takes the
     others' planned share of them."""
-    if A[H_PARD] == 0 or A[off(A, X_M_PARD) + m] == 0 or A[off(A, X_Q_SIZE) + _hiq(A, m)] > 0:
-        return False
+    if A[H_PARD] == 0 or A[off(A, X_M_PARD) + m] == 0 or F[off(A, X_M_HI_UNTIL) + m] > now:
+        return False  # (nor while m has a high class: holding its low class back delays the high)
     o = off(A, X_M_SHARE) + m * SHARE_COLS
     if F[o + SH_TOK] >= 1.0:
         return False

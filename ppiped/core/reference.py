@@ -265,7 +265,7 @@ class RefScheduler:
         while q:
             n = len(q)
             self._share_roll(m, now)
-            if self._share_capped(m):
+            if self._share_capped(m, now):
                 self.share_holds += 1
                 return max(now + (1.0 - self.share[m][3]) * self.pgap[m] / S.SHARE_OVER, now + 1.0)
             best = None
@@ -372,10 +372,11 @@ class RefScheduler:
             sh[3] = min(sh[3] + (now - sh[4]) * S.SHARE_OVER / self.pgap[m], max(burst, 1.0))
         sh[4] = now
 
-    def _share_capped(self, m: int) -> bool:
+    def _share_capped(self, m: int, now: float) -> bool:
         """PARD holds model m to its planned rate while a model sharing a server with it is
-        offered more than it serves and serves under SHARE_SHORT of its planned rate."""
-        if not self.pard[m] or any(r.prio > 0 for r in self.queues[m]) or self.share[m][3] >= 1.0:
+        offered more than it serves and serves under SHARE_SHORT of its planned rate (not while
+        m has a high class)."""
+        if not self.pard[m] or self.hi_until[m] > now or self.share[m][3] >= 1.0:
             return False
         return any(j != m and self.near[m][j] and self.pgap[j] < INF
                    and sh[2] * self.pgap[j] < S.SHARE_SHORT and sh[6] > 1.02 * sh[2]
