@@ -245,7 +245,8 @@ class Server:
             raise ConfigError(f"{cfg.source}: scheduler.policy: the daemon runs the reservation "
                               "policies (ppipe, pard, ppipe-early-drop); 'reactive' is simulator-only")
         kw = {}
-        for k in ("min_wait_us", "wait_guard_us", "class_room", "pressure_room", "noise_z", "room_quantile"):
+        for k in ("min_wait_us", "wait_guard_us", "class_room", "pressure_room", "noise_z", "room_quantile",
+                  "share_window"):
             if k in opts:
                 v = opts.pop(k)
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
@@ -259,7 +260,7 @@ class Server:
         if opts:
             raise ConfigError(f"{cfg.source}: scheduler: unknown key(s) {', '.join(sorted(opts))} "
                               "(known: policy, min_wait_us, wait_guard_us, class_room, pressure_room, "
-                              "room_quantile, noise_z, app_deadlines)")
+                              "room_quantile, share_window, noise_z, app_deadlines)")
         self.policy_name, self.core_kw, self.profiles = policy, kw, profiles
         try:
             self.core = Scheduler(plan, profiles, policy=policy, **kw)
