@@ -37,18 +37,33 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """What a user can fix, printed as one line: :data:`UserError`, and the data plane's
+    ``LayoutError`` (a plan that does not fit its cluster) once a command has imported it; the
+    check is by module so that commands that never load the compiled core do not pay for it."""
+    layout = sys.modules.get("ppiped.core.layout")
+    return (*UserError, layout.LayoutError) if layout is not None else UserError
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from .commands.argtypes import CommandFailed
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except UserError as e:
-        print(f"ppiped {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # the reader went away (``| head``): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except CommandFailed as e:
+        print(f"ppiped {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        print(f"ppiped {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -352,14 +353,222 @@ def _check_apps(plan: Plan) -> list[Violation]:
 
 # --- reading and writing ------------------------------------------------------------------
 
+# At most this many vGPUs in one plan, all pools together. Each vGPU is an executor and a row of
+# the data plane's tables, and Layout.from_plan places them one by one: PPipe's largest clusters
+# have 100 GPUs of at most 4 vGPUs, so a million is far past any real plan yet keeps a typo
+# (1e9) from looping for hours.
+MAX_VGPUS = 1_000_000
 
-def _get(d: dict, key: str, where: str) -> Any:
+_TOP_KEYS = ("format", "algo", "cluster", "params", "objective", "solver", "models", "apps")
+_MODEL_KEYS = tuple(f.name for f in fields(ModelPlan))
+_PIPELINE_KEYS = tuple(f.name for f in fields(Pipeline))
+_PARTITION_KEYS = tuple(f.name for f in fields(Partition))
+
+
+def _get(d: Any, key: str, where: str) -> Any:
     if not isinstance(d, dict) or key not in d:
         raise PlanError(f"{where}: missing field {key!r}")
     return d[key]
 
 
+def _no_unknown(d: dict, known: Iterable[str], where: str) -> None:
+    """A misspelt key would otherwise be ignored and its field silently take a default."""
+    unknown = sorted(set(d) - set(known), key=str)
+    if unknown:
+        raise PlanError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} "
+                        f"(known: {', '.join(known)})")
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _real(x: Any, key: str, where: str) -> float:
+    """A JSON number as a float; a string such as ``"1500"`` is refused, not converted."""
+    if not _is_real(x):
+        raise PlanError(f"{where}: field {key}: expected a number, got {x!r}")
+    try:
+        return float(x)
+    except OverflowError:  # an integer past the float range
+        raise PlanError(f"{where}: field {key}: expected a finite number, got {x!r}") from None
+
+
+def _integer(x: Any, key: str, where: str) -> int:
+    """A JSON integer; ``5.0`` is accepted as 5, ``2.5`` is refused rather than truncated."""
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    if not _is_int(x):
+        raise PlanError(f"{where}: field {key}: expected an integer, got {x!r}")
+    return int(x)
+
+
+def _at(source: str, model: str | None = None, pi: int | None = None, qi: int | None = None) -> str:
+    where = [source]
+    if model is not None:
+        where.append(f"model {model!r}")
+    if pi is not None:
+        where.append(f"pipeline {pi}")
+    if qi is not None:
+        where.append(f"partition {qi}")
+    return ", ".join(where)
+
+
+def _partition_from_json(q: Any, bs: int, where: str) -> Partition:
+    if not isinstance(q, dict):
+        raise PlanError(f"{where}: a partition is a JSON object, got {q!r}")
+    _no_unknown(q, _PARTITION_KEYS, where)
+    blocks = _get(q, "blocks", where)
+    if not isinstance(blocks, list) or len(blocks) != 2:
+        raise PlanError(f"{where}: field blocks: expected [start, end), got {blocks!r}")
+    gpu = _get(q, "gpu", where)
+    if not isinstance(gpu, str):
+        raise PlanError(f"{where}: field gpu: expected a GPU type name, got {gpu!r}")
+    return Partition(
+        (_integer(blocks[0], "blocks", where), _integer(blocks[1], "blocks", where)), gpu,
+        _integer(_get(q, "vgpu_split", where), "vgpu_split", where),
+        _integer(_get(q, "num_vgpus", where), "num_vgpus", where),
+        _real(_get(q, "lat_infer_us", where), "lat_infer_us", where),
+        _real(_get(q, "lat_trans_us", where), "lat_trans_us", where),
+        _real(_get(q, "throughput_rps", where), "throughput_rps", where),
+        _integer(q.get("batch_size", bs), "batch_size", where),
+    )
+
+
+def _model_from_json(m: Any, mi: int, source: str) -> ModelPlan:
+    where = f"{source}: models[{mi}]"
+    if not isinstance(m, dict):
+        raise PlanError(f"{where}: a model is a JSON object, got {m!r}")
+    name = _get(m, "model", where)
+    if not isinstance(name, str) or not name:
+        raise PlanError(f"{where}: field model: expected a model name, got {name!r}")
+    where = _at(source, name)
+    _no_unknown(m, _MODEL_KEYS, where)
+    pipes_in = _get(m, "pipelines", where)
+    if not isinstance(pipes_in, list):
+        raise PlanError(f"{where}: field pipelines: expected a list, got {pipes_in!r}")
+    pipes = []
+    for pi, p in enumerate(pipes_in):
+        wp = _at(source, name, pi)
+        if not isinstance(p, dict):
+            raise PlanError(f"{wp}: a pipeline is a JSON object, got {p!r}")
+        _no_unknown(p, _PIPELINE_KEYS, wp)
+        bs = _integer(_get(p, "batch_size", wp), "batch_size", wp)
+        parts_in = _get(p, "partitions", wp)
+        if not isinstance(parts_in, list):
+            raise PlanError(f"{wp}: field partitions: expected a list, got {parts_in!r}")
+        parts = [_partition_from_json(q, bs, _at(source, name, pi, qi)) for qi, q in enumerate(parts_in)]
+        pipes.append(Pipeline(bs, _real(_get(p, "throughput_rps", wp), "throughput_rps", wp),
+                              _real(_get(p, "latency_us", wp), "latency_us", wp), parts))
+    return ModelPlan(
+        name, _real(_get(m, "slo_us", where), "slo_us", where), _real(_get(m, "weight", where), "weight", where),
+        _real(_get(m, "throughput_rps", where), "throughput_rps", where), pipes,
+        _real(_get(m, "batch_delay_rate_rps", where), "batch_delay_rate_rps", where),
+    )
+
+
+def _params_from_json(p: Any, source: str) -> PlanParams:
+    where = f"{source}: params"
+    if not isinstance(p, dict):
+        raise PlanError(f"{where}: expected an object, got {p!r}")
+    _no_unknown(p, [f.name for f in fields(PlanParams)], where)
+    return PlanParams(**p)
+
+
+def _bad(where: str, key: str, want: str, got: Any) -> PlanError:
+    return PlanError(f"{where}: field {key}: expected {want}, got {got!r}")
+
+
+def _positive(x: Any) -> bool:
+    return _is_real(x) and math.isfinite(x) and x > 0
+
+
+def _non_negative(x: Any) -> bool:
+    return _is_real(x) and math.isfinite(x) and x >= 0
+
+
+def validate_plan(plan: Plan) -> None:
+    """Refuse what no rule of :func:`check` can judge and what would crash or hang the checker,
+    the simulator or the daemon: NaN and infinite figures, empty or duplicate models, empty
+    pipelines, non-positive sizes and counts, absurd vGPU totals. Raises :class:`PlanError`
+    naming the model, pipeline and partition and the bad value; says nothing of the profiles
+    (:meth:`Layout.from_plan` checks a plan against them)."""
+    src = plan.source
+    pr = plan.params
+    wp = f"{src}: params"
+    if not (_is_real(pr.slo_margin) and 0 <= pr.slo_margin < 1):
+        raise _bad(wp, "slo_margin", "a fraction of the SLO in [0, 1)", pr.slo_margin)
+    if not _positive(pr.batch_delay_factor):
+        raise _bad(wp, "batch_delay_factor", "a positive number", pr.batch_delay_factor)
+    if not (_is_int(pr.max_partitions) and pr.max_partitions >= 1):
+        raise _bad(wp, "max_partitions", "an integer >= 1", pr.max_partitions)
+    if pr.slo_scale is not None and not _positive(pr.slo_scale):
+        raise _bad(wp, "slo_scale", "a positive number or null", pr.slo_scale)
+    if pr.slo_reference_gpu is not None and not (isinstance(pr.slo_reference_gpu, str) and pr.slo_reference_gpu):
+        raise _bad(wp, "slo_reference_gpu", "a GPU type name or null", pr.slo_reference_gpu)
+    if not isinstance(pr.share_gpus, bool):
+        raise _bad(wp, "share_gpus", "true or false", pr.share_gpus)
+    if not isinstance(plan.models, list) or not plan.models:
+        raise PlanError(f"{src}: field models: expected a non-empty list of models, got {plan.models!r}")
+    if not _non_negative(plan.normalized_throughput):
+        raise _bad(f"{src}: objective", "normalized_throughput", "a finite number >= 0",
+                   plan.normalized_throughput)
+    seen: dict[str, int] = {}
+    vgpus = 0
+    for mi, m in enumerate(plan.models):
+        if m.model in seen:
+            raise PlanError(f"{src}: model {m.model!r} appears twice (models[{seen[m.model]}] and "
+                            f"models[{mi}]); a model has one entry with all its pipelines")
+        seen[m.model] = mi
+        w = _at(src, m.model)
+        if not _positive(m.slo_us):
+            raise _bad(w, "slo_us", "a positive finite number of µs", m.slo_us)
+        if not _positive(m.weight):
+            raise _bad(w, "weight", "a positive finite number", m.weight)
+        if not _non_negative(m.throughput_rps):
+            raise _bad(w, "throughput_rps", "a finite number >= 0", m.throughput_rps)
+        if not _non_negative(m.batch_delay_rate_rps):
+            raise _bad(w, "batch_delay_rate_rps", "a finite number >= 0", m.batch_delay_rate_rps)
+        for pi, p in enumerate(m.pipelines):
+            wp = _at(src, m.model, pi)
+            if not (_is_int(p.batch_size) and p.batch_size >= 1):
+                raise _bad(wp, "batch_size", "an integer >= 1", p.batch_size)
+            if p.batch_size > 1 and m.batch_delay_rate_rps == 0:
+                raise PlanError(f"{wp}: batch size {p.batch_size} with batch_delay_rate_rps 0: at no "
+                                "arrivals a batch of more than one never forms")
+            if not _non_negative(p.throughput_rps):
+                raise _bad(wp, "throughput_rps", "a finite number >= 0", p.throughput_rps)
+            if not _non_negative(p.latency_us):
+                raise _bad(wp, "latency_us", "a finite number >= 0", p.latency_us)
+            if not p.partitions:
+                raise PlanError(f"{wp}: field partitions: a pipeline has at least one partition, got []")
+            for qi, q in enumerate(p.partitions):
+                wq = _at(src, m.model, pi, qi)
+                a, b = q.blocks
+                if not (_is_int(a) and _is_int(b) and 0 <= a < b):
+                    raise _bad(wq, "blocks", "[start, end) with 0 <= start < end", list(q.blocks))
+                if not (isinstance(q.gpu, str) and q.gpu):
+                    raise _bad(wq, "gpu", "a GPU type name", q.gpu)
+                if not (_is_int(q.vgpu_split) and q.vgpu_split >= 1):
+                    raise _bad(wq, "vgpu_split", "an integer >= 1", q.vgpu_split)
+                if not (_is_int(q.num_vgpus) and q.num_vgpus >= 1):
+                    raise _bad(wq, "num_vgpus", "an integer >= 1", q.num_vgpus)
+                if not (_is_int(q.batch_size) and q.batch_size >= 1):
+                    raise _bad(wq, "batch_size", "an integer >= 1", q.batch_size)
+                for key in ("lat_infer_us", "lat_trans_us", "throughput_rps"):
+                    if not _non_negative(getattr(q, key)):
+                        raise _bad(wq, key, "a finite number >= 0", getattr(q, key))
+                vgpus += q.num_vgpus
+    if vgpus > MAX_VGPUS:
+        raise PlanError(f"{src}: the plan has {vgpus} vGPUs in all, more than {MAX_VGPUS:,} "
+                        "(num_vgpus is per pool)")
+
+
 def plan_from_json(d: Any, source: str = "<memory>") -> Plan:
+    """Parse and validate (:func:`validate_plan`) a ``ppiped-plan/1`` object."""
     if not isinstance(d, dict):
         raise PlanError(f"{source}: a plan is a JSON object")
     fmt = d.get("format")
@@ -369,43 +578,26 @@ def plan_from_json(d: Any, source: str = "<memory>") -> Plan:
         cluster = cluster_from_json(_get(d, "cluster", source), f"{source}: cluster")
     except ClusterError as e:
         raise PlanError(str(e)) from None
-    try:
-        params = PlanParams(**d.get("params", {}))
-    except TypeError as e:
-        raise PlanError(f"{source}: field params: {e}") from None
-    models = []
-    try:
-        for mi, m in enumerate(_get(d, "models", source)):
-            w = f"{source}: models[{mi}]"
-            pipes = []
-            for pi, p in enumerate(_get(m, "pipelines", w)):
-                wp = f"{w}.pipelines[{pi}]"
-                bs = int(_get(p, "batch_size", wp))
-                parts = []
-                for qi, q in enumerate(_get(p, "partitions", wp)):
-                    wq = f"{wp}.partitions[{qi}]"
-                    blocks = _get(q, "blocks", wq)
-                    if not isinstance(blocks, list) or len(blocks) != 2:
-                        raise PlanError(f"{wq}: field blocks: expected [start, end)")
-                    parts.append(Partition(
-                        (int(blocks[0]), int(blocks[1])), str(_get(q, "gpu", wq)),
-                        int(_get(q, "vgpu_split", wq)), int(_get(q, "num_vgpus", wq)),
-                        float(_get(q, "lat_infer_us", wq)), float(_get(q, "lat_trans_us", wq)),
-                        float(_get(q, "throughput_rps", wq)), int(q.get("batch_size", bs)),
-                    ))
-                pipes.append(Pipeline(bs, float(_get(p, "throughput_rps", wp)),
-                                      float(_get(p, "latency_us", wp)), parts))
-            models.append(ModelPlan(
-                str(_get(m, "model", w)), float(_get(m, "slo_us", w)), float(_get(m, "weight", w)),
-                float(_get(m, "throughput_rps", w)), pipes, float(_get(m, "batch_delay_rate_rps", w)),
-            ))
-        obj = float(_get(_get(d, "objective", source), "normalized_throughput", f"{source}: objective"))
-    except (TypeError, ValueError) as e:
-        if isinstance(e, PlanError):
-            raise
-        raise PlanError(f"{source}: malformed value: {e}") from None
-    plan = Plan(cluster, params, models, obj, str(d.get("algo", "")), dict(d.get("solver", {})), source)
-    if d.get("apps"):
+    _no_unknown(d, _TOP_KEYS, source)
+    params = _params_from_json(_get(d, "params", source), source)
+    models_in = _get(d, "models", source)
+    if not isinstance(models_in, list) or not models_in:
+        raise PlanError(f"{source}: field models: expected a non-empty list of models, got {models_in!r}")
+    models = [_model_from_json(m, mi, source) for mi, m in enumerate(models_in)]
+    objective = _get(d, "objective", source)
+    if not isinstance(objective, dict):
+        raise _bad(source, "objective", "an object", objective)
+    _no_unknown(objective, ("normalized_throughput",), f"{source}: objective")
+    obj = _real(_get(objective, "normalized_throughput", f"{source}: objective"), "normalized_throughput",
+                f"{source}: objective")
+    algo, solver = d.get("algo", ""), d.get("solver", {})
+    if not isinstance(algo, str):
+        raise _bad(source, "algo", "a string", algo)
+    if not isinstance(solver, dict):
+        raise _bad(source, "solver", "an object", solver)
+    plan = Plan(cluster, params, models, obj, algo, dict(solver), source)
+    validate_plan(plan)
+    if d.get("apps") is not None:
         from .errors import InputError
         from .query.app import apps_from_json
 
@@ -444,11 +636,18 @@ def reference_name_info(path: str | Path, models: list[str] | None = None) -> di
     if not m:
         raise PlanError(f"{path}: not a reference plan file name (…_<weights>_<gpuA>-<gpuB>_"
                         "<countA>-<countB>_bw-gbps-<B>_sla-multiplier-<S>_<algo>.json)")
+    try:
+        weights = [float(x) for x in m["w"].split("-")] if m["w"] else None
+        nic, sla = float(m["bw"]), float(m["sla"])
+    except ValueError:  # the pattern lets "1..2" through
+        raise PlanError(f"{path}: the file name's numbers are malformed") from None
+    if weights is not None and not all(_positive(w) for w in weights):
+        raise PlanError(f"{path}: the file name's weights must be positive, got {weights}")
     return {
-        "weights": [float(x) for x in m["w"].split("-")] if m["w"] else None,
+        "weights": weights,
         "gpus": {m["ga"]: int(m["na"]), m["gb"]: int(m["nb"])},
-        "nic_gbps": float(m["bw"]),
-        "slo_scale": float(m["sla"]),
+        "nic_gbps": nic,
+        "slo_scale": sla,
         "algo": REFERENCE_ALGOS.get(m["algo"], m["algo"]),
     }
 
@@ -458,18 +657,20 @@ def import_reference(path: str | Path, cluster: Cluster | None = None,
     """Read a PPipe reference plan (a JSON list, one entry per model) as a :class:`Plan`.
 
     GPU counts and weights come from ``cluster``/``weights`` when given, else from the file name;
-    splits, GPUs per server, NIC and SLO come from each entry's ``config``.
+    splits, GPUs per server, NIC and SLO come from each entry's ``config``. The result passes
+    :func:`validate_plan`, as a ``ppiped-plan/1`` file would.
     """
     path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise PlanError(f"{path}: cannot read reference plan: {e}") from None
+    d = read_json(path, PlanError)
     if not isinstance(d, list) or not d:
         raise PlanError(f"{path}: a reference plan is a non-empty JSON list of models")
+    for i, e in enumerate(d):
+        if not isinstance(e, dict):
+            raise PlanError(f"{path}[{i}]: a reference plan entry is a JSON object, got {e!r}")
     info = None
     if cluster is None or weights is None:
-        names = [e.get("config", {}).get("dnn_name") for e in d if isinstance(e, dict)]
+        cfgs = [e.get("config") for e in d]
+        names = [c.get("dnn_name") if isinstance(c, dict) else None for c in cfgs]
         info = reference_name_info(path, names if all(isinstance(n, str) for n in names) else None)
     if weights is None:
         weights = info["weights"]  # type: ignore[index]
@@ -479,21 +680,45 @@ def import_reference(path: str | Path, cluster: Cluster | None = None,
             weights = [1.0]
     if len(weights) != len(d):
         raise PlanError(f"{path}: {len(d)} models but {len(weights)} weights")
+    w0 = f"{path}[0].config"
     cfg0 = _get(d[0], "config", f"{path}[0]")
+
+    def num(c: Any, key: str, where: str) -> float:
+        return _real(_get(c, key, where), key, where)
+
+    def arr(c: Any, key: str, where: str) -> list:
+        v = _get(c, key, where)
+        if not isinstance(v, list):
+            raise _bad(where, key, "a list", v)
+        return v
+
     if cluster is None:
-        names = cfg0["gpu_name_arr"]
+        names = arr(cfg0, "gpu_name_arr", w0)
+        per_server = arr(cfg0, "num_gpu_per_server_arr", w0)
+        levels = arr(cfg0, "num_mps_levels", w0)
+        if not len(names) == len(per_server) == len(levels):
+            raise PlanError(f"{w0}: gpu_name_arr, num_gpu_per_server_arr and num_mps_levels differ in length")
+        counts = info["gpus"]  # type: ignore[index]
+        unnamed = [g for g in names if g not in counts]
+        if unnamed:
+            raise PlanError(f"{w0}: GPU type(s) {', '.join(map(repr, unnamed))} are not in the file name's "
+                            f"cluster ({', '.join(counts)})")
         cluster = cluster_from_json({
-            "nic_gbps": cfg0["bw_gbps"],
+            "nic_gbps": num(cfg0, "bw_gbps", w0),
             "gpus": {
-                g: {"count": info["gpus"][g], "per_server": int(ps), "splits": list(range(1, int(nm) + 1))}  # type: ignore[index]
-                for g, ps, nm in zip(names, cfg0["num_gpu_per_server_arr"], cfg0["num_mps_levels"], strict=True)
+                g: {"count": counts[g], "per_server": _integer(ps, "num_gpu_per_server_arr", w0),
+                    "splits": list(range(1, _integer(nm, "num_mps_levels", w0) + 1))}
+                for g, ps, nm in zip(names, per_server, levels, strict=True)
             },
         }, f"{path}: cluster")
-    margin = cfg0["hist_adjustment"] / cfg0["sla"]
+    sla0 = num(cfg0, "sla", w0)
+    if not _positive(sla0):
+        raise _bad(w0, "sla", "a positive number of µs", sla0)
+    margin = num(cfg0, "hist_adjustment", w0) / sla0
     params = PlanParams(
-        slo_margin=round(margin, 4),
-        batch_delay_factor=float(cfg0["batch_build_factor"]),
-        max_partitions=int(cfg0["max_num_parts"]),
+        slo_margin=round(margin, 4) if math.isfinite(margin) else margin,
+        batch_delay_factor=num(cfg0, "batch_build_factor", w0),
+        max_partitions=_integer(_get(cfg0, "max_num_parts", w0), "max_num_parts", w0),
         slo_scale=info["slo_scale"] if info else None,
         slo_reference_gpu="L4" if info else None,
     )
@@ -501,26 +726,46 @@ def import_reference(path: str | Path, cluster: Cluster | None = None,
     for i, (entry, w) in enumerate(zip(d, weights, strict=True)):
         where = f"{path}[{i}]"
         cfg = _get(entry, "config", where)
+        wc = f"{where}.config"
+        name = _get(cfg, "dnn_name", wc)
+        if not isinstance(name, str) or not name:
+            raise _bad(wc, "dnn_name", "a model name", name)
+        rate = num(cfg, "est_xput", wc)
         pipes = []
-        for p in _get(entry, "pipelines", where):
+        for pi, p in enumerate(arr(entry, "pipelines", where)):
+            wp = f"{where}.pipelines[{pi}]"
             parts = []
-            for q in p["partitions"]:
-                split = int(q["mps"]) + 1
+            for qi, q in enumerate(arr(p, "partitions", wp)):
+                wq = f"{wp}.partitions[{qi}]"
+                layers = _get(q, "layers", wq)
+                if not isinstance(layers, list) or len(layers) != 2:
+                    raise _bad(wq, "layers", "[start, end)", layers)
+                gpu = _get(q, "gpu", wq)
+                if not isinstance(gpu, str):
+                    raise _bad(wq, "gpu", "a GPU type name", gpu)
+                split = _integer(_get(q, "mps", wq), "mps", wq) + 1
+                vgpus = num(q, "num_gpu", wq) * split
+                if not math.isfinite(vgpus):
+                    raise _bad(wq, "num_gpu", "a finite number", q["num_gpu"])
                 parts.append(Partition(
-                    (int(q["layers"][0]), int(q["layers"][1])), q["gpu"], split,
-                    int(round(q["num_gpu"] * split)), float(q["lat_infer"]), float(q["lat_trans"]),
-                    float(q["xput"]), int(q["bs"]),
+                    (_integer(layers[0], "layers", wq), _integer(layers[1], "layers", wq)), gpu, split,
+                    int(round(vgpus)), num(q, "lat_infer", wq), num(q, "lat_trans", wq), num(q, "xput", wq),
+                    _integer(_get(q, "bs", wq), "bs", wq),
                 ))
+            if not parts:
+                raise PlanError(f"{wp}: field partitions: a pipeline has at least one partition, got []")
             bs = parts[0].batch_size
             lat = sum(q.lat_infer_us + q.lat_trans_us for q in parts)
-            lat += batch_delay_us(bs, float(cfg["est_xput"]), params.batch_delay_factor)
-            pipes.append(Pipeline(bs, float(p["xput"]), lat, parts))
-        models.append(ModelPlan(cfg["dnn_name"], float(cfg["sla"]), float(w), float(entry["xput"]),
-                                pipes, float(cfg["est_xput"])))
-    obj = min(m.throughput_rps / m.weight for m in models)
+            if bs > 1 and rate > 0:  # else validate_plan names the problem
+                lat += batch_delay_us(bs, rate, params.batch_delay_factor)
+            pipes.append(Pipeline(bs, num(p, "xput", wp), lat, parts))
+        models.append(ModelPlan(name, num(cfg, "sla", wc), float(w), num(entry, "xput", where), pipes, rate))
     algo = info["algo"] if info else ""
-    solver = {"gap": d[0]["mipgap"], "solve_s": d[0]["runtime"]} if "mipgap" in d[0] else {}
-    return Plan(cluster, params, models, obj, algo, solver, str(path))
+    solver = {"gap": d[0]["mipgap"], "solve_s": d[0].get("runtime")} if "mipgap" in d[0] else {}
+    plan = Plan(cluster, params, models, 0.0, algo, solver, str(path))
+    validate_plan(plan)  # before the objective, which divides by the weights
+    plan.normalized_throughput = min(m.throughput_rps / m.weight for m in models)
+    return plan
 
 
 def load_plan(path: str | Path, cluster: Cluster | None = None) -> Plan:

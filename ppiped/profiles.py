@@ -110,7 +110,8 @@ def profile_from_json(d: Any, source: str = "<memory>") -> Profile:
         raise ProfileError(f"{source}: a profile is a JSON object, got {type(d).__name__}")
     fmt = d.get("format", PROFILE_FORMAT)
     if fmt != PROFILE_FORMAT:
-        raise ProfileError(f"{source}: field format: expected {PROFILE_FORMAT!r}, got {fmt!r}")
+        what = "an unsupported profile format version" if _is_profile_format(fmt) else "not a profile format"
+        raise ProfileError(f"{source}: field format: {fmt!r} is {what} (this ppiped reads {PROFILE_FORMAT!r})")
     for key in ("model", "num_blocks", "block_latency_us", "boundary_bytes", "whole_model_latency_us"):
         if key not in d:
             raise ProfileError(f"{source}: missing field {key!r}")
@@ -130,12 +131,14 @@ def profile_from_json(d: Any, source: str = "<memory>") -> Profile:
         latency[gpu] = {}
         for sk, blocks in per_split.items():
             where = f"{source}: field block_latency_us.{gpu}.{sk}"
-            try:
-                split = int(sk)
-            except ValueError:
-                raise ProfileError(f"{where}: split key must be an integer like '1'") from None
+            if not (sk.isascii() and sk.isdigit()):  # int() would also take " 2 ", "+2", "1_0"
+                raise ProfileError(f"{where}: split key must be an integer like '1'")
+            split = int(sk)
             if split < 1:
                 raise ProfileError(f"{where}: split must be >= 1")
+            if split in latency[gpu]:  # "1" and "01": one would silently replace the other
+                raise ProfileError(f"{where}: split {split} is given twice (keys "
+                                   f"{', '.join(repr(k) for k in per_split if k.isdigit() and int(k) == split)})")
             if not isinstance(blocks, list) or len(blocks) != nb:
                 n = len(blocks) if isinstance(blocks, list) else type(blocks).__name__
                 raise ProfileError(f"{where}: expected {nb} blocks (num_blocks), got {n}")
@@ -191,13 +194,22 @@ def load_profiles(directory: str | Path, models: Iterable[str] | None = None) ->
     return out
 
 
+def _is_profile_format(fmt: Any) -> bool:
+    return isinstance(fmt, str) and fmt.startswith(PROFILE_FORMAT.split("/")[0] + "/")
+
+
 def _declares_other_format(path: Path) -> bool:
-    """A plan or other ppiped file kept beside the profiles: not a profile, and not an error."""
+    """A plan or other ppiped file kept beside the profiles: not a profile, and not an error.
+
+    A profile of another format version is not skipped: :func:`load_profile` says its version
+    is unsupported (skipping it would end in "no profile files" or "unknown model"). Unreadable
+    files are not skipped either, so that loading them names the file and the problem.
+    """
     try:
-        d = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        d = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):  # ValueError: bad JSON or bytes that are not UTF-8
         return False
-    return isinstance(d, dict) and d.get("format", PROFILE_FORMAT) != PROFILE_FORMAT
+    return isinstance(d, dict) and not _is_profile_format(d.get("format", PROFILE_FORMAT))
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:

@@ -20,16 +20,25 @@ def read_toml(path: Path, error: type[Exception]) -> dict[str, Any]:
     return _parse(path, error, tomllib.loads, tomllib.TOMLDecodeError, "TOML")
 
 
-def _text(path: Path, error: type[Exception]) -> str:
+def read_text(path: Path, error: type[Exception]) -> str:
+    """A UTF-8 text file's contents; unreadable files and bytes that are not UTF-8 (a binary or
+    Latin-1 file given by mistake) raise ``error`` naming the file, never a bare traceback."""
     try:
-        return path.read_text()
+        return Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise error(f"{path}: cannot read: {e.strerror}") from None
+        raise error(f"{path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start} "
+                    f"(is it the right file?)") from None
+    except ValueError as e:  # e.g. a NUL byte in the path
+        raise error(f"{path}: cannot read: {e}") from None
 
 
 def _parse(path: Path, error: type[Exception], parse, decode_error: type[Exception], kind: str) -> Any:
-    text = _text(path, error)
+    text = read_text(path, error)
     try:
         return parse(text)
     except decode_error as e:
         raise error(f"{path}: not valid {kind}: {e}") from None
+    except RecursionError:  # arrays nested thousands deep: no ppiped file is
+        raise error(f"{path}: not valid {kind}: nested too deeply") from None

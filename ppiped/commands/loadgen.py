@@ -20,12 +20,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import zmq
 
 from ..client import AsyncClient
 from ..daemon.loop import Timers, now_us
 from ..errors import InputError
 from ..sim.workload import generate
 from ..wire import Status
+from .argtypes import (
+    CV,
+    MAX_FRAME_BYTES,
+    MAX_LOADGEN_REQUESTS,
+    POSITIVE,
+    SEED,
+    CommandFailed,
+    check_request_count,
+    client_endpoint,
+    integer,
+    trace_kind,
+)
 
 
 @dataclass
@@ -238,12 +251,14 @@ def parse_rates(items: list[str]) -> dict[str, float]:
         m, sep, r = item.rpartition("=")
         if not sep or not m:
             raise InputError(f"--rate: expected MODEL=REQ_PER_S, got {item!r}")
+        if m in out:
+            raise InputError(f"--rate: model {m!r} is given twice")
         try:
             out[m] = float(r)
         except ValueError:
             raise InputError(f"--rate {item!r}: {r!r} is not a number") from None
-        if out[m] < 0:
-            raise InputError(f"--rate {item!r}: negative rate")
+        if not (out[m] > 0 and math.isfinite(out[m])):
+            raise InputError(f"--rate {item!r}: the rate must be a finite number > 0 (req/s)")
     if not out:
         raise InputError("--rate: give at least one MODEL=REQ_PER_S")
     return out
@@ -251,15 +266,15 @@ def parse_rates(items: list[str]) -> dict[str, float]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("loadgen", help="drive a running scheduler with Poisson or bursty load; print attainment")
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="scheduler client endpoint")
+    p.add_argument("--endpoint", type=client_endpoint, default="tcp://127.0.0.1:5555", help="scheduler client endpoint")
     p.add_argument("--rate", action="append", required=True, metavar="MODEL=RPS",
                    help="offered load per model (repeatable)")
-    p.add_argument("--duration", type=float, default=10.0, help="seconds of load (default 10)")
-    p.add_argument("--arrivals", default="poisson", help="poisson, bursty, or an Azure Functions trace CSV")
-    p.add_argument("--cv", type=float, default=2.0, help="bursty: coefficient of variation of the gaps (default 2)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--frame-bytes", type=int, help="payload size (default: the model's input size, else 1 KiB)")
-    p.add_argument("--slo-ms", type=float, help="per-request SLO (default: each model's)")
+    p.add_argument("--duration", type=POSITIVE, default=10.0, help="seconds of load (default 10)")
+    p.add_argument("--arrivals", type=trace_kind, default="poisson", help="poisson, bursty, or an Azure Functions trace CSV")
+    p.add_argument("--cv", type=CV, default=2.0, help="bursty: coefficient of variation of the gaps (default 2)")
+    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--frame-bytes", type=integer(1, MAX_FRAME_BYTES), help="payload size (default: the model's input size, else 1 KiB)")
+    p.add_argument("--slo-ms", type=POSITIVE, help="per-request SLO (default: each model's)")
     p.add_argument("--check-echo", action="store_true", help="emulated executors: replies must echo the frame")
     p.add_argument("--json", action="store_true")
     p.add_argument("--key", help="CURVE: this client's secret key file (`ppiped keys`)")
@@ -270,11 +285,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    rates = parse_rates(args.rate)
+    rates = parse_rates(args.rate)  # every input is checked before connecting
+    total = sum(rates.values())
+    check_request_count(total * args.duration, f"--rate (in all {total:.6g} req/s) for --duration "
+                        f"{args.duration:g} s", MAX_LOADGEN_REQUESTS)
     slo = {m: args.slo_ms for m in rates} if args.slo_ms else None
-    r = uvloop.run(run_load(args.endpoint, rates, args.duration, kind=args.arrivals, seed=args.seed,
-                            frame_bytes=args.frame_bytes, slo_ms=slo, check_echo=args.check_echo, cv=args.cv,
-                            key_file=args.key, server_key_file=args.server_key))
+    try:
+        r = uvloop.run(run_load(args.endpoint, rates, args.duration, kind=args.arrivals, seed=args.seed,
+                                frame_bytes=args.frame_bytes, slo_ms=slo, check_echo=args.check_echo,
+                                cv=args.cv, key_file=args.key, server_key_file=args.server_key))
+    except TimeoutError as e:
+        raise CommandFailed(f"{e} (is `ppiped serve` running there?)") from None
+    except zmq.ZMQError as e:
+        raise CommandFailed(f"{args.endpoint}: {e}") from None
     if args.json:
         print(json.dumps(r))
     else:

@@ -11,15 +11,24 @@ from ..cluster import cluster_from_flags, load_cluster
 from ..errors import InputError
 from ..plan import Plan, PlanParams, check, format_plan_table, save_plan
 from ..profiles import ProfileError, load_profiles
+from .argtypes import (
+    POSITIVE,
+    POSITIVE_INT,
+    gpu_counts,
+    model_names,
+    number,
+    numbers,
+    output_file,
+)
 
+WEIGHTS = numbers(1e-6, 1e6, max_ratio=1e6)
+"""Load weights are relative shares; the MILP's objective is throughput / weight, and CBC's
+tolerances (~1e-9) make plans wrong (1e9) or crash its child (1e300) far outside this range."""
 
-def _floats(s: str | None, flag: str) -> list[float] | None:
-    if s is None:
-        return None
-    try:
-        return [float(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise InputError(f"{flag}: expected comma-separated numbers, got {s!r}") from None
+TIME_LIMIT = number(0, 7 * 86_400, lo_open=True)
+"""Seconds for the whole plan: a week at most (the solver's clock overflows on inf)."""
+
+NIC_GBPS_DEFAULT = 10.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,8 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Choose partitions, vGPU pools and batch sizes that maximise the "
                        "worst model's throughput/weight under the SLOs (PPipe's MILP, NP or DART-r).")
     p.add_argument("--profiles", required=True, help="directory of ppiped-profile/1 files")
-    p.add_argument("--models", help="comma-separated model names (optional with --apps)")
-    p.add_argument("--weights", help="comma-separated load weights, one per model (default: equal)")
+    p.add_argument("--models", type=model_names, help="comma-separated model names (optional with --apps)")
+    p.add_argument("--weights", type=WEIGHTS,
+                   help="comma-separated load weights, one per model (default: equal)")
     a = p.add_argument_group("apps (multi-model queries with one end-to-end SLO)")
     a.add_argument("--apps", metavar="FILE",
                    help="TOML or JSON file of [[apps]] (name, slo_ms, weight, glue_ms, [[apps.stages]]: "
@@ -37,35 +47,36 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="how each app's SLO is split across its stages: dp (Nexus's DP over a 5%% grid, "
                    "default), even (in proportion to each stage's latency), fixed (the file's budget_ms)")
     g = p.add_argument_group("cluster (a TOML spec, or the flags)")
-    g.add_argument("--cluster", help="cluster spec TOML")
-    g.add_argument("--gpus", help="GPU types and counts, e.g. L4:25,P4:75")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--cluster", help="cluster spec TOML")
+    x.add_argument("--gpus", type=gpu_counts, help="GPU types and counts, e.g. L4:25,P4:75")
     g.add_argument("--gpus-per-server", help="GPUs per server per type, e.g. 1,1 (default 1)")
     g.add_argument("--vgpu-splits", help="largest vGPU split per type, e.g. 4,1 (default 1)")
-    g.add_argument("--nic-gbps", type=float, default=10.0, help="server NIC bandwidth (default 10)")
+    g.add_argument("--nic-gbps", type=POSITIVE, help="server NIC bandwidth (default 10)")
     r = p.add_argument_group("planning rules")
-    r.add_argument("--max-partitions", type=int, default=2, help="partitions per pipeline (default 2)")
-    r.add_argument("--slo-scale", type=float, default=5.0,
+    r.add_argument("--max-partitions", type=POSITIVE_INT, default=2, help="partitions per pipeline (default 2)")
+    r.add_argument("--slo-scale", type=POSITIVE, default=5.0,
                    help="SLO = scale x whole-model latency on --slo-reference-gpu at batch 1 (default 5)")
     r.add_argument("--slo-reference-gpu", default="L4", help="GPU type the SLO scale refers to (default L4)")
-    r.add_argument("--slo-ms", help="explicit SLOs in ms, one per model (overrides --slo-scale)")
-    r.add_argument("--slo-margin", type=float, default=0.4, help="fraction of the SLO kept free (default 0.4)")
+    r.add_argument("--slo-ms", type=numbers(0, lo_open=True), help="explicit SLOs in ms, one per model (overrides --slo-scale)")
+    r.add_argument("--slo-margin", type=number(0, 1, hi_open=True), default=0.4, help="fraction of the SLO kept free (default 0.4)")
     r.add_argument("--share-gpus", action="store_true",
                    help="let different models' vGPU slices share a physical GPU (gpu-lets' spatial "
                    "sharing; off by default: PPipe's rule rounds each model's pools up to whole GPUs; "
                    "never compare such a plan with a reference plan)")
-    r.add_argument("--batch-delay-factor", type=float, default=1.3,
+    r.add_argument("--batch-delay-factor", type=POSITIVE, default=1.3,
                    help="initial batching delay = factor x (bs-1) / rate (default 1.3)")
-    r.add_argument("--batch-delay-rate",
+    r.add_argument("--batch-delay-rate", type=numbers(0, lo_open=True),
                    help="rate (req/s) per model for the batching-delay estimate (default: from the NP plan)")
     s = p.add_argument_group("solver")
     s.add_argument("--algo", choices=("ppipe", "np", "dart-r"), default="ppipe")
-    s.add_argument("--time-limit", type=float, default=60.0, help="seconds for the whole plan (default 60)")
-    s.add_argument("--threads", type=int, default=1, help="CBC threads (default 1)")
-    s.add_argument("--mip-gap", type=float, default=1e-6,
+    s.add_argument("--time-limit", type=TIME_LIMIT, default=60.0, help="seconds for the whole plan (default 60)")
+    s.add_argument("--threads", type=POSITIVE_INT, default=1, help="CBC threads (default 1)")
+    s.add_argument("--mip-gap", type=number(0, 1, hi_open=True), default=1e-6,
                    help="stop once the plan is within this fraction of the best bound (default 1e-6)")
     s.add_argument("--subprocess", action="store_true",
                    help="solve in a child process, as the daemon does")
-    p.add_argument("-o", "--output", help="write the plan (ppiped-plan/1) here")
+    p.add_argument("-o", "--output", type=output_file, help="write the plan (ppiped-plan/1) here")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of the table")
     p.add_argument("-v", "--verbose", action="store_true", help="log the solver's phases on stderr")
     p.set_defaults(func=run)
@@ -75,24 +86,31 @@ def run(args: argparse.Namespace) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if args.cluster:
+        flags = [f for f, v in (("--gpus-per-server", args.gpus_per_server),
+                                ("--vgpu-splits", args.vgpu_splits), ("--nic-gbps", args.nic_gbps))
+                 if v is not None]
+        if flags:
+            raise InputError(f"{', '.join(flags)}: only with --gpus (the cluster file {args.cluster} "
+                             "sets its own)")
         cluster = load_cluster(args.cluster)
     elif args.gpus:
-        cluster = cluster_from_flags(args.gpus, args.gpus_per_server, args.vgpu_splits, args.nic_gbps)
+        nic = NIC_GBPS_DEFAULT if args.nic_gbps is None else args.nic_gbps
+        cluster = cluster_from_flags(args.gpus, args.gpus_per_server, args.vgpu_splits, nic)
     else:
         raise InputError("give the cluster: --cluster FILE.toml, or --gpus NAME:COUNT,...")
-    models = [m.strip() for m in (args.models or "").split(",") if m.strip()]
+    models = args.models or []
     if not models and not args.apps:
         raise InputError("give the models to plan: --models NAME,... and/or --apps FILE")
-    weights = _floats(args.weights, "--weights") or [1.0] * len(models)
-    rates = _floats(args.batch_delay_rate, "--batch-delay-rate")
-    slo_ms = _floats(args.slo_ms, "--slo-ms")
+    weights = args.weights or [1.0] * len(models)
+    rates = args.batch_delay_rate
+    slo_ms = args.slo_ms
     params = PlanParams(
         slo_margin=args.slo_margin, batch_delay_factor=args.batch_delay_factor,
         max_partitions=args.max_partitions, share_gpus=args.share_gpus,
         slo_scale=None if slo_ms else args.slo_scale,
         slo_reference_gpu=None if slo_ms else args.slo_reference_gpu,
     )
-    profiles = load_profiles(args.profiles, models) if models else {}
+    profiles = _check_names(load_profiles(args.profiles, models) if models else {}, args.profiles, "--models")
     slos = [x * 1e3 for x in slo_ms] if slo_ms else None
     if args.split and not args.apps:
         raise InputError("--split splits the apps' SLOs: give --apps FILE")
@@ -100,6 +118,15 @@ def run(args: argparse.Namespace) -> int:
         return _run_apps(args, cluster, params, profiles, models, weights, rates, slos)
     plan = _solve(args, profiles, models, weights, cluster, params, rates, slos, args.time_limit)
     return _report(args, plan, profiles)
+
+
+def _check_names(profiles: dict, directory: str, where: str) -> dict:
+    """Each profile file holds the model it is named after: the planner keys everything by the
+    profile's own name, so another name (or a path: ``../x``) would end in a KeyError."""
+    for m, prof in profiles.items():
+        if prof.model != m:
+            raise InputError(f"{where}: {directory}/{m}.json holds the profile of {prof.model!r}, not {m!r}")
+    return profiles
 
 
 def _solve(args: argparse.Namespace, profiles, models, weights, cluster, params, rates, slos,
@@ -130,10 +157,11 @@ def _run_apps(args: argparse.Namespace, cluster, params: PlanParams, profiles: d
     for a in apps:
         for s in a.stages:
             if s.model not in profiles:
+                where = f"{args.apps}: app {a.name!r}, stage {s.name!r}"
                 try:
-                    profiles.update(load_profiles(args.profiles, [s.model]))
+                    profiles.update(_check_names(load_profiles(args.profiles, [s.model]), args.profiles, where))
                 except ProfileError as e:
-                    raise InputError(f"{args.apps}: app {a.name!r}, stage {s.name!r}: {e}") from None
+                    raise InputError(f"{where}: {e}") from None
     t0 = time.perf_counter()
     sp = split_apps(profiles, apps, cluster, params, args.algo, args.split or "dp", models, weights,
                     slos)

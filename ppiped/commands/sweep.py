@@ -10,7 +10,16 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from ..errors import InputError
+from .argtypes import LOAD_FACTOR, POSITIVE_INT, check_request_count, number, output_file
 from .sim import _finite, add_world_args, options_from
+
+MAX_COARSE_POINTS = 10_000
+"""Most load factors the coarse phase may step through (--max-factor / --step): each is a whole
+simulation, so more is a sweep that never ends (--step 0 was one)."""
+
+MAX_BISECT_RATIO = 1e9
+"""Largest --max-factor / --resolution: the sweep rounds load factors to multiples of the
+resolution, which loses all meaning (and overflows) far below this."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,15 +27,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", required=True, action="append",
                    help="plan to sweep (repeat to compare systems on one plot)")
     add_world_args(p)
-    p.add_argument("--target", type=float, default=0.99, help="attainment every model must keep (default 0.99)")
-    p.add_argument("--step", type=float, default=0.05, help="coarse step of the load factor (default 0.05)")
-    p.add_argument("--resolution", type=float, default=0.01, help="bisect down to this (default 0.01)")
-    p.add_argument("--start", type=float, default=None,
+    p.add_argument("--target", type=number(0, 1, lo_open=True), default=0.99, help="attainment every model must keep (default 0.99)")
+    p.add_argument("--step", type=LOAD_FACTOR, default=0.05, help="coarse step of the load factor (default 0.05)")
+    p.add_argument("--resolution", type=LOAD_FACTOR, default=0.01, help="bisect down to this (default 0.01)")
+    p.add_argument("--start", type=LOAD_FACTOR, default=None,
                    help="a guess of the answer: search from there instead of from one step (same result, fewer runs)")
-    p.add_argument("--max-factor", type=float, default=3.0)
-    p.add_argument("--jobs", type=int, default=1, help="worker processes (2: both cores)")
+    p.add_argument("--max-factor", type=LOAD_FACTOR, default=3.0,
+                   help="largest load factor tried (default 3)")
+    p.add_argument("--jobs", type=POSITIVE_INT, default=1, help="worker processes (2: both cores)")
     p.add_argument("--json", action="store_true", help="one JSON line per plan")
-    p.add_argument("--plot", metavar="FILE",
+    p.add_argument("--plot", metavar="FILE", type=output_file,
                    help="attainment vs load factor per plan (PNG, PPipe Figure 7); runs every point to the end")
     p.set_defaults(func=run)
 
@@ -36,23 +46,33 @@ def run(args: argparse.Namespace) -> int:
     from ..sim.run import PointSpec, base_rates, v4_sibling
     from ..sim.sweep import sweep
 
-    opt = options_from(args)
-    if not 0 < args.target <= 1:
-        raise InputError(f"--target must be in (0, 1], got {args.target}")
-    if args.jobs < 1:
-        raise InputError(f"--jobs must be >= 1, got {args.jobs}")
+    opt = options_from(args)  # the flags' ranges: their argparse types
+    if args.max_factor / args.step > MAX_COARSE_POINTS:
+        raise InputError(f"--max-factor {args.max_factor:g} / --step {args.step:g} is more than "
+                         f"{MAX_COARSE_POINTS:,} load factors to simulate: raise --step")
+    if args.max_factor / args.resolution > MAX_BISECT_RATIO:
+        raise InputError(f"--resolution {args.resolution:g} is below {1 / MAX_BISECT_RATIO:g} x "
+                         f"--max-factor {args.max_factor:g}: raise --resolution")
+    if args.start is not None and args.start > args.max_factor:
+        raise InputError(f"--start {args.start:g} is above --max-factor {args.max_factor:g}")
     if not Path(args.profiles).is_dir():
         raise InputError(f"--profiles {args.profiles}: not a directory")
+    plans = []
+    for path in args.plan:  # every plan read and sized before the first (long) sweep
+        plan = load_plan(path)
+        names = [m.model for m in plan.models]
+        base = Path(args.base_plan) if args.base_plan else v4_sibling(path)
+        rates = base_rates(load_plan(base) if base.is_file() else plan, names)
+        top = args.max_factor * float(rates.sum())
+        check_request_count(top * args.duration, f"{path}: --max-factor {args.max_factor:g} ({top:.6g} req/s) "
+                            f"for --duration {args.duration:g} s")
+        plans.append((path, plan, names, rates))
     pool = None
     if args.jobs > 1:
         pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork"))
     curves = {}
     try:
-        for path in args.plan:
-            plan = load_plan(path)
-            names = [m.model for m in plan.models]
-            base = Path(args.base_plan) if args.base_plan else v4_sibling(path)
-            rates = base_rates(load_plan(base) if base.is_file() else plan, names)
+        for path, plan, names, rates in plans:
             spec = PointSpec(str(path), str(args.profiles), args.trace, args.duration, args.seed, args.policy,
                              opt.sigma, args.cv, opt.start_early_us, args.base_plan,
                              None if args.plot else args.target, trace_scale=args.trace_scale,

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..plan import Plan
+from ..plan import Plan, PlanError
 from ..profiles import Profile
 
 
-class LayoutError(ValueError):
-    """The plan's vGPUs do not fit the cluster, or a profile it needs is missing."""
+class LayoutError(PlanError):
+    """The plan's vGPUs do not fit the cluster, or a profile it needs is missing. A
+    :class:`PlanError`, so that commands report it as the bad input it is, not as a crash."""
 
 
 @dataclass
@@ -128,6 +129,7 @@ class Layout:
         for m in models:
             if m not in profiles:
                 raise LayoutError(f"no profile for model {m!r}")
+        _check_against_profiles(plan, profiles)
         # dense pipelines and pools
         model_pipe0, pipe_model, pipe_index, pipe_bs, pipe_pool0, pipe_npools = [0], [], [], [], [], []
         pools = []  # (pipe, stage, Partition)
@@ -158,6 +160,11 @@ class Layout:
             server_type.extend([tindex[g]] * nsrv)
         # pack vGPUs: per (type, partition index), larger vGPUs first, first fit on whole GPUs
         unit = math.lcm(*[q.vgpu_split for _, _, q in pools]) if pools else 1
+        for g in gpu_types:  # cheap bound first: packing a plan far too big would take long to fail
+            need = sum(q.num_vgpus * (unit // q.vgpu_split) for _, _, q in pools if q.gpu == g)
+            if need > cl.gpus[g].count * unit:
+                raise LayoutError(f"{plan.source}: the plan's {g} vGPUs need at least {-(-need // unit)} whole GPUs, "
+                                  f"the cluster has {cl.gpus[g].count}")
         v_gpu_of_pool: list[list[int]] = [[] for _ in range(P)]
         next_gpu = {g: 0 for g in gpu_types}
         stages = sorted({d for _, d, _ in pools})
@@ -166,17 +173,20 @@ class Layout:
                 members = [i for i, (_, dd, q) in enumerate(pools) if dd == d and q.gpu == g]
                 members.sort(key=lambda i: pools[i][2].vgpu_split)  # stable: plan order among equals
                 free: list[int] = []  # remaining units of each opened GPU
+                full = 0  # free[:full] are all 0: first fit need not scan them (same result)
                 for i in members:
                     size = unit // pools[i][2].vgpu_split
                     for _ in range(pools[i][2].num_vgpus):
-                        for j, f in enumerate(free):
-                            if f >= size:
+                        for j in range(full, len(free)):
+                            if free[j] >= size:
                                 free[j] -= size
                                 break
                         else:
                             j = len(free)
                             free.append(unit - size)
                         v_gpu_of_pool[i].append(j)
+                        while full < len(free) and free[full] == 0:
+                            full += 1
                 base = next_gpu[g]
                 for i in members:
                     v_gpu_of_pool[i] = [gpu_off[g] + base + j for j in v_gpu_of_pool[i]]
@@ -249,3 +259,46 @@ class Layout:
             nic_gbps=cl.nic_gbps,
             rate_rps=np.array([m.throughput_rps for m in plan.models], dtype=np.float64),
         )
+
+
+def _check_against_profiles(plan: Plan, profiles: dict[str, Profile]) -> None:
+    """What the data plane needs of a plan beyond :func:`ppiped.plan.validate_plan`: GPU types
+    the cluster has, and pipelines that cover the model's profiled blocks in order at a batch
+    size and split profiled on each partition's GPU. ``check`` reports these as broken rules; a
+    plan served or simulated with them would index past the latency tables or compute nothing
+    sensible, so they are refused here, naming the model, pipeline and partition."""
+    cl = plan.cluster
+    if not any(m.pipelines for m in plan.models):
+        raise LayoutError(f"{plan.source}: the plan serves no model on any vGPU (no model has a pipeline)")
+    for m in plan.models:
+        prof = profiles[m.model]
+        for pi, p in enumerate(m.pipelines):
+            bs = p.batch_size
+            if not p.partitions:
+                raise LayoutError(f"{plan.source}: model {m.model}, pipeline {pi}: no partitions")
+            nxt = 0
+            for qi, q in enumerate(p.partitions):
+                w = f"{plan.source}: model {m.model}, pipeline {pi}, partition {qi}"
+                a, b = q.blocks
+                if q.gpu not in cl.gpus:
+                    raise LayoutError(f"{w}: GPU type {q.gpu!r} is not in the cluster "
+                                      f"(it has {', '.join(cl.gpus)})")
+                if not 0 <= a < b <= prof.num_blocks:
+                    raise LayoutError(f"{w}: blocks [{a}, {b}) are not within the profile's "
+                                      f"{prof.num_blocks} blocks [0, {prof.num_blocks})")
+                if a != nxt:
+                    raise LayoutError(f"{w}: blocks [{a}, {b}) do not start where the previous "
+                                      f"partition ends (block {nxt})")
+                nxt = b
+                if prof.max_batch(q.gpu, q.vgpu_split) == 0:
+                    have = prof.splits(q.gpu)
+                    raise LayoutError(f"{w}: split 1/{q.vgpu_split} of {q.gpu} is not profiled for "
+                                      f"{m.model} (profiled splits: {have or 'none, not this GPU'})")
+                if not 1 <= bs <= prof.max_batch(q.gpu, q.vgpu_split):
+                    raise LayoutError(f"{w}: batch size {bs} is not profiled for {q.gpu} at split "
+                                      f"1/{q.vgpu_split} (profiled: 1-{prof.max_batch(q.gpu, q.vgpu_split)})")
+                if q.num_vgpus < 1:
+                    raise LayoutError(f"{w}: num_vgpus must be at least 1, got {q.num_vgpus}")
+            if nxt != prof.num_blocks:
+                raise LayoutError(f"{plan.source}: model {m.model}, pipeline {pi}: partitions end at block {nxt}, "
+                                  f"the model has {prof.num_blocks}")

@@ -7,6 +7,8 @@ pure function of its ``numpy.random.Generator``, so the same seed gives the same
 from __future__ import annotations
 
 import csv
+import io
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
+from ..readfile import read_text
 
 
 @dataclass(frozen=True)
@@ -96,21 +99,20 @@ def azure_functions(path: str | Path, rate_rps: float, duration_s: float,
     if scale not in TRACE_SCALES:
         raise InputError(f"trace scaling must be one of {', '.join(TRACE_SCALES)}, got {scale!r}")
     path = Path(path)
-    try:
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            missing = {"end_timestamp", "duration"} - set(reader.fieldnames or [])
-            if missing:
-                raise InputError(f"{path}: Azure trace needs columns app, func, end_timestamp, "
-                                 f"duration; missing {', '.join(sorted(missing))}")
-            starts = []
-            for i, row in enumerate(reader, start=2):
-                try:
-                    starts.append(float(row["end_timestamp"]) - float(row["duration"]))
-                except (TypeError, ValueError):
-                    raise InputError(f"{path}:{i}: end_timestamp/duration are not numbers") from None
-    except OSError as e:
-        raise InputError(f"{path}: cannot read trace: {e.strerror}") from None
+    reader = csv.DictReader(io.StringIO(read_text(path, InputError), newline=""))
+    missing = {"end_timestamp", "duration"} - set(reader.fieldnames or [])
+    if missing:
+        raise InputError(f"{path}: Azure trace needs columns app, func, end_timestamp, "
+                         f"duration; missing {', '.join(sorted(missing))}")
+    starts = []
+    for i, row in enumerate(reader, start=2):
+        try:
+            start = float(row["end_timestamp"]) - float(row["duration"])
+        except (TypeError, ValueError):
+            raise InputError(f"{path}:{i}: end_timestamp/duration are not numbers") from None
+        if not math.isfinite(start):
+            raise InputError(f"{path}:{i}: end_timestamp/duration must be finite numbers")
+        starts.append(start)
     if len(starts) < 2:
         raise InputError(f"{path}: trace has fewer than 2 invocations")
     if scale == "fold":
