@@ -698,7 +698,9 @@ def _commit_ppipe(A, F, m, p, take, buf, fin, now, from_max):
     _end_dispatch(A, F, d, fin)
     o = off(A, X_M_SHARE) + m * SHARE_COLS
     F[o + SH_N] += take
-    F[o + SH_TOK] -= take
+    # (a model dispatching while no neighbour is short owes at most this batch: debt run up
+    # then would hold it back long after a neighbour turns short)
+    F[o + SH_TOK] = max(F[o + SH_TOK] - take, 1.0 - take)
     return OK
 
 

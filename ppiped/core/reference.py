@@ -358,7 +358,7 @@ class RefScheduler:
             q[:] = [r for r in q if r.rid not in taken]
             out.append(d)
             self.share[m][1] += take
-            self.share[m][3] -= take
+            self.share[m][3] = max(self.share[m][3] - take, 1.0 - take)
         return INF
 
     def _share_roll(self, m: int, now: float) -> None:
