@@ -528,9 +528,10 @@ def test_switch_moves_kept_models_and_drops_removed_ones():
     calls = []
     old = SimpleNamespace(cancel=lambda rid, m: calls.append(("cancel", rid, m)))
     new = SimpleNamespace(layout=SimpleNamespace(models=["c", "a"]),
-                          submit=lambda rid, m, a, d: calls.append(("submit", rid, m)))
-    reqs = {1: SimpleNamespace(model=0, arrival=1, deadline=2), 2: SimpleNamespace(model=1, arrival=1, deadline=2),
-            3: SimpleNamespace(model=0, arrival=1, deadline=2)}
+                          submit=lambda rid, m, a, d, priority: calls.append(("submit", rid, m, priority)))
+    reqs = {1: SimpleNamespace(model=0, arrival=1, deadline=2, prio=1),
+            2: SimpleNamespace(model=1, arrival=1, deadline=2, prio=0),
+            3: SimpleNamespace(model=0, arrival=1, deadline=2, prio=0)}
     dropped = []
     srv = SimpleNamespace(core=old, model_names=["a", "b"], reqs=dict(reqs), batches={1: None},
                           _drop_reqs=lambda rs, why: dropped.append(([r.model for r in rs], why)),
@@ -538,7 +539,8 @@ def test_switch_moves_kept_models_and_drops_removed_ones():
     moved, removed = switch(srv, None, new)
     assert (moved, removed) == (2, 1)
     assert dropped == [([1], wire.MODEL_REMOVED)]  # counted under the old index of "b"
-    assert ("submit", 1, 1) in calls and ("submit", 3, 1) in calls and calls[-1] == ("install",)
+    # (a high-class request stays high in the new core)
+    assert ("submit", 1, 1, 1) in calls and ("submit", 3, 1, 0) in calls and calls[-1] == ("install",)
     assert srv.reqs[1].model == 1 and 2 not in srv.reqs and srv.batches == {}
 
 

@@ -93,6 +93,47 @@ def test_forged_results_never_reach_a_client(cluster, tmp_path):
         imp.close()
 
 
+def test_forged_feedback_cannot_stall_the_schedule(cluster, tmp_path):
+    """Hop times for batches of vGPUs the sender does not serve, with ends days ahead (they once
+    pushed every later reservation back and stopped serving for good): refused and counted, and
+    requests sent afterwards are served."""
+    c, cfg = cluster
+    imp = Impostor(cfg.executor)
+    try:
+        assert imp.register([202], f"ipc://{tmp_path}/impostor2.sock").type == T.WELCOME
+        before = c.status()["counters"].get("foreign_feedback", 0)
+        top = sum(m["batches"] for m in c.status()["models"].values())  # batch ids count up from 1
+        t = time.time_ns() // 1000
+        entries: list[int] = []
+        for bid in range(max(1, top - 5), top + 80):
+            for hop, vs in ((0, (0, 1)), (1, (2, 3))):
+                for v in vs:
+                    entries += [v, bid, hop, t, t, t + 10**12]
+        stop = threading.Event()
+
+        def forge():
+            while not stop.is_set():
+                imp.sock.send(wire.feedback(entries))
+                imp.sock.send_multipart([wire.result(2**40, [], None, [], entries)])
+
+        th = threading.Thread(target=forge, daemon=True)
+        th.start()
+        try:
+            with Client(c.client_endpoint, timeout_s=10) as cl:
+                for _ in range(40):
+                    cl.submit_many("tiny", [b"x"] * 5, slo_ms=500)
+        finally:
+            stop.set()
+            th.join(5)
+        with Client(c.client_endpoint, timeout_s=10) as cl:
+            out = [r for _ in range(20) for r in cl.submit_many("tiny", [b"after"] * 5, slo_ms=500)]
+        served = sum(1 for r in out if not isinstance(r, (Dropped, Rejected)))
+        assert served >= 90, [type(r).__name__ for r in out]
+        assert c.status()["counters"].get("foreign_feedback", 0) > before
+    finally:
+        imp.close()
+
+
 def test_bad_endpoints_and_malformed_results_are_refused(cluster):
     c, cfg = cluster
     imp = Impostor(cfg.executor)

@@ -14,6 +14,7 @@ import grp
 import json
 import os
 import socket
+import stat
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,9 @@ log = logs.get("ppiped.ctl")
 
 COMMANDS = ("status", "plan", "executors", "drain", "replan")
 MAX_LINE = 1 << 20
+
+
+MAX_PLAN_FILE_BYTES = 64 << 20  # plans are KB to a few MB; a FIFO, /dev/zero or a huge file is refused
 
 
 class CtlServer:
@@ -132,7 +136,18 @@ class CtlServer:
             weights = [float(x) for x in w]
         plan = None
         if req.get("plan_file"):  # migrate to a plan made elsewhere (e.g. `ppiped plan`)
-            plan = load_plan(req["plan_file"], srv.plan.cluster)
+            path = req["plan_file"]
+            if not isinstance(path, str):
+                raise InputError(f"plan_file: expected a path, got {path!r}")
+            try:
+                st = os.stat(path)
+            except OSError as e:
+                raise InputError(f"plan_file: {path}: {e.strerror or e}") from None
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_PLAN_FILE_BYTES:
+                raise InputError(f"plan_file: {path}: expected a regular file of at most "
+                                 f"{MAX_PLAN_FILE_BYTES >> 20} MiB")
+            # read off the loop: serving goes on while a large plan is parsed
+            plan = await asyncio.to_thread(load_plan, path, srv.plan.cluster)
         dry = bool(req.get("dry_run"))
         task = srv.replanner.start(weights, dry, "ctl", plan)
         if not (req.get("wait") or dry):

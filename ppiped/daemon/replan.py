@@ -298,7 +298,9 @@ async def preload(srv: Server, core: Scheduler) -> tuple[set[bytes], dict[str, A
     lay = core.layout
     nxt = [srv._assignment(v, lay) for v in range(lay.num_vgpus)]
     t0 = now_us()
-    rp.prepare({ex.ident: srv.wire_assignments(ex.vgpus, nxt) for ex in srv.execs.values()})
+    # only executors the new plan gives work: one on standby (or an intruder holding spare vGPU
+    # ids) has nothing to preload, and waiting on its swap held dispatch for two heartbeat timeouts
+    rp.prepare({ex.ident: a for ex in srv.execs.values() if (a := srv.wire_assignments(ex.vgpus, nxt))})
     sent = set(rp.waiting)
     await rp.wait_preloaded(timeout_ms / 1000)
     done = {i for i, (_, err) in rp.answers.items() if not err} & set(srv.execs)
@@ -385,7 +387,7 @@ def switch(srv: Server, plan: Plan, core: Scheduler) -> tuple[int, int]:
             del srv.reqs[rid]
             continue
         r.model = m  # the new plan's model index (stats move to it in install_plan)
-        core.submit(rid, m, float(r.arrival), float(r.deadline))
+        core.submit(rid, m, float(r.arrival), float(r.deadline), priority=r.prio)
     if gone:  # counted under the old model indices, before install_plan re-indexes the stats
         srv._drop_reqs(gone, wire.MODEL_REMOVED)
     srv.batches.clear()  # answered; their late feedback would name the old core's reservations

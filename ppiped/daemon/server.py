@@ -63,6 +63,8 @@ CALM_INTERVALS = 100  # adjustments in a row with nothing late or refused: the w
 # are the answers that count) or the timers, and vice versa.
 CLIENT_SLICE_US = 1000
 EXEC_SLICE_US = 1000
+CTL_SLICE_US = 2000
+CTL_DUTY = 0.25
 # A client socket behind this long with one client's flood is read at most this share of the time
 # (a flood cannot take the loop's whole CPU from the executors and clients on the same host)
 CLIENT_PACE_AFTER_US = 5000
@@ -75,9 +77,11 @@ _ACTION_VIEWS = ("path", "n_hops", "req_start", "bs", "res_start", "n_res_of", "
                  "kind", "hop", "start_us", "req_id", "drop_id", "drop_reason")
 OFFSET_SAMPLES = 16
 MAX_VGPU_ID = 1 << 16  # registrations beyond the plan's vGPUs wait on standby, up to this id
+MAX_VGPUS_PER_EXEC = 4096  # vGPUs one executor process may register
 DONE_BATCH_KEEP_US = 2_000_000  # keep answered batches this long for late feedback
 REPORT_MANY_FROM = 8  # feedback reports: one compiled call each below this many, else one for all
 WARN_EVERY_US = 1_000_000  # repeated warnings of one kind: at most one log line a second
+FEEDBACK_AHEAD_US = 1_000_000  # a reported end this far past the scheduler's clock is not believed
 # Clients (fair admission, queueing delay): what the daemon keeps per client connection is
 # forgotten once it has nothing in flight and has been silent this long; past MAX_CLIENTS known
 # connections, every one with nothing in flight is forgotten at once (at most every 0.1 s).
@@ -458,7 +462,10 @@ class Server:
                                     duty=CLIENT_FLOOD_DUTY)
         self.exe_reader = Reader(self.loop, self.exe, self.on_exec, after=self.after_execs,
                                  budget_us=EXEC_SLICE_US)
-        self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
+        # ctl requests are few and a status costs up to tens of ms: a flood of them (anyone who
+        # reaches a TCP ctl endpoint may send one) gets at most CTL_DUTY of the loop
+        self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl, budget_us=CTL_SLICE_US,
+                                 pace_after_us=CTL_SLICE_US, duty=CTL_DUTY)
         try:
             await self._start_ops()
         except ConfigError:
@@ -1155,11 +1162,17 @@ class Server:
                     "unauthorized-vgpu", f"this executor's key may serve vGPUs "
                     f"{format_ranges(sorted(mine)) or 'none'}, not {format_ranges(vgpus)}"))
                 return
+        if len(vgpus) > MAX_VGPUS_PER_EXEC:
+            # (every registration is broadcast in PEERS: thousands of ids made it megabytes)
+            self.warn_limited("register-refused", vgpus=len(vgpus), pid=pid)
+            self._send_exec(ident, wire.error("unknown-vgpu", f"{len(vgpus)} vGPUs in one REGISTER "
+                                              f"(at most {MAX_VGPUS_PER_EXEC})"))
+            return
         bad = [v for v in vgpus if not 0 <= v < MAX_VGPU_ID]
         if bad or not vgpus:
-            log.warning("register-refused", vgpus=vgpus, pid=pid)
-            self._send_exec(ident, wire.error("unknown-vgpu", f"vGPU id(s) {bad or vgpus} out of range "
-                                              f"(0-{MAX_VGPU_ID - 1}; the plan has 0-{self.nv - 1})"))
+            self.warn_limited("register-refused", vgpus=str(vgpus)[:200], pid=pid)
+            self._send_exec(ident, wire.error("unknown-vgpu", f"vGPU id(s) {str(bad or vgpus)[:200]} out of "
+                                              f"range (0-{MAX_VGPU_ID - 1}; the plan has 0-{self.nv - 1})"))
             return
         try:
             check_endpoint(endpoint, "data_endpoint", "REGISTER", self.cfg.allow_remote)
@@ -1409,13 +1422,22 @@ class Server:
         hs: list[int] = []
         ts: list[float] = []
         te: list[float] = []
+        vgpu_exec, nv = self.vgpu_exec, self.nv
+        horizon = now_us() + FEEDBACK_AHEAD_US
         for i in range(0, len(entries) - k + 1, k):
             v, bid, hop, ready, start, end = entries[i:i + k]
             b = self.batches.get(bid)
             if b is None or not 0 <= hop < len(b.path) or b.path[hop] != v or b.times[hop] is not None:
                 self.counters["stale_feedback"] += 1
                 continue
+            # only the executor serving that vGPU reports its hops, and only times that happened:
+            # a forged end far ahead pushed every later reservation back and stopped serving
             ready, start, end = ready - off, start - off, end - off
+            if not (0 <= v < nv and vgpu_exec[v] is ex) or not (start <= end <= horizon and ready <= end):
+                self.counters["foreign_feedback"] += 1
+                self.warn_limited("foreign-feedback", batch=bid, hop=hop, vgpu=v, pid=ex.pid,
+                                  vgpus=format_ranges(ex.vgpus))
+                continue
             b.times[hop] = (ready, start, end)
             hs.append(b.infer_h[hop])
             ts.append(start)
@@ -1496,6 +1518,7 @@ class Server:
     # --- ctl ----------------------------------------------------------------------------------
 
     def on_ctl(self, msg: list) -> None:
+        self.ctl_reader.flood()  # a backlog here is a flood: paced once it outlasts a slice
         ident = msg[0].bytes
         delim = len(msg) > 2 and len(msg[1]) == 0
         body = msg[2] if delim else (msg[1] if len(msg) > 1 else b"")
@@ -1517,8 +1540,8 @@ class Server:
                 out = {"ok": True}
             else:
                 out = {"error": f"unknown command {cmd!r} (status, reset-overhead, stop)"}
-        except (ValueError, AttributeError) as e:
-            out = {"error": f"bad request: {e}"}
+        except (ValueError, AttributeError, RecursionError) as e:
+            out = {"error": f"bad request: {type(e).__name__}: {e}"[:1000]}
         frames = [ident, b""] if delim else [ident]
         self.ctl.send_multipart([*frames, json.dumps(out).encode()])
         self.ctl_reader.kick()
