@@ -10,12 +10,17 @@ The socket path comes from ``--socket``, else ``$PPIPED_CTL_SOCKET``, else the c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import socket
+import stat
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from .commands.argtypes import number
 
 DEFAULT_SOCKET = "/run/ppiped/ctl.sock"
 
@@ -28,8 +33,21 @@ class CtlError(Exception):
         self.code = code
 
 
+TIMEOUT = number(0, 86_400, lo_open=True)
+"""Seconds to wait for an answer: a day at most (``inf`` or ``nan`` cannot be a socket timeout)."""
+WAIT_S = number(0, 86_400)
+"""Longest drain wait: the daemon waits this long, and the client 5 s more."""
+
+
+def socket_arg(s: str) -> str:
+    """``--socket``: an empty path would silently fall back to the default socket."""
+    if not s:
+        raise argparse.ArgumentTypeError("an empty path: give the daemon's ctl socket")
+    return s
+
+
 def socket_path(explicit: str | None = None, config: str | None = None) -> str:
-    if explicit:
+    if explicit is not None:
         return explicit
     if os.environ.get("PPIPED_CTL_SOCKET"):
         return os.environ["PPIPED_CTL_SOCKET"]
@@ -42,6 +60,13 @@ def socket_path(explicit: str | None = None, config: str | None = None) -> str:
 
 def call(path: str, req: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
     """Send one request, return the daemon's answer; raises :class:`CtlError` with a clear message."""
+    mode = None
+    with contextlib.suppress(OSError):  # missing or unreadable: connect says which
+        mode = os.stat(path).st_mode
+    if mode is not None and not stat.S_ISSOCK(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else "a non-socket file"
+        raise CtlError(f"{path} is {kind}, not a socket: give the daemon's ctl socket "
+                       "(ctl.socket in its config)", 2)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout_s)
     try:
@@ -91,15 +116,25 @@ async def acall(path: str, req: dict[str, Any], timeout_s: float = 600.0) -> dic
 def _weights(items: list[str] | None) -> dict[str, float] | None:
     if not items:
         return None
+    """Checked here, so a bad weight is exit 2 naming the model and value, daemon or not."""
     out: dict[str, float] = {}
     for item in ",".join(items).split(","):
         name, sep, w = item.partition("=")
-        try:
-            out[name.strip()] = float(w)
-        except ValueError:
-            sep = ""
-        if not sep or not name.strip():
+        name = name.strip()
+        if not sep:
             raise CtlError(f"--weights: expected MODEL=WEIGHT[,MODEL=WEIGHT...], got {item!r}", 2)
+        if not name:
+            raise CtlError(f"--weights: {item!r} has no model name (expected MODEL=WEIGHT)", 2)
+        if name in out:
+            raise CtlError(f"--weights: model {name!r} is given twice", 2)
+        try:
+            x = float(w)
+        except ValueError:
+            x = math.nan
+        if not (math.isfinite(x) and x > 0):
+            raise CtlError(f"--weights: weight of model {name!r} must be a finite number > 0, "
+                           f"got {w.strip()!r}", 2)
+        out[name] = x
     return out
 
 
@@ -154,17 +189,19 @@ def _print_executors(execs: list[dict[str, Any]], missing: list[dict[str, Any]] 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ppiped-ctl", description="Operate a running ppiped daemon.")
-    ap.add_argument("--socket", help=f"the daemon's ctl socket (default: from --config, else {DEFAULT_SOCKET})")
+    ap.add_argument("--socket", type=socket_arg, help=f"the daemon's ctl socket (default: from --config, else {DEFAULT_SOCKET})")
     ap.add_argument("--config", help="ppiped.toml to read ctl.socket from")
     ap.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
-    ap.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer")
+    ap.add_argument("--timeout", type=TIMEOUT, default=30.0,
+                    help="seconds to wait for an answer (at most a day)")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     sub.add_parser("status", help="plan version, per-model rate and attainment, queue, executors")
     sub.add_parser("plan", help="the plan in force, as `ppiped plan` prints it")
     sub.add_parser("executors", help="executors, their vGPUs, assignments and health")
     d = sub.add_parser("drain", help="refuse new requests and wait until the queued ones are answered")
     d.add_argument("--off", action="store_true", help="accept requests again")
-    d.add_argument("--wait-s", type=float, default=30.0, help="longest wait for the queue to empty")
+    d.add_argument("--wait-s", type=WAIT_S, default=30.0,
+                   help="longest wait for the queue to empty (seconds, at most a day)")
     r = sub.add_parser("replan", help="plan again for the measured (or given) mix and migrate to it")
     r.add_argument("--weights", action="append", metavar="MODEL=W[,MODEL=W]",
                    help="load weights (default: the measured arrival rates)")
@@ -175,8 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.cmd == "replan" and args.weights and args.plan_file:
+        ap.error("replan: give --weights or --plan-file, not both (a plan file fixes the mix)")
     try:
+        weights = _weights(args.weights) if args.cmd == "replan" else None
         path = socket_path(args.socket, args.config)
         req: dict[str, Any] = {"cmd": args.cmd}
         timeout = args.timeout
@@ -184,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             req.update(off=args.off, timeout_s=args.wait_s)
             timeout = max(timeout, args.wait_s + 5)
         elif args.cmd == "replan":
-            req.update(weights=_weights(args.weights), dry_run=args.dry_run, wait=args.wait)
+            req.update(weights=weights, dry_run=args.dry_run, wait=args.wait)
             if args.plan_file:
                 req["plan_file"] = os.path.abspath(args.plan_file)
             if args.wait or args.dry_run:

@@ -157,3 +157,33 @@ def keygen(directory: str | Path, name: str) -> KeyPair:
     pub, sec = zmq.auth.create_certificates(str(d), name)
     Path(sec).chmod(0o600)
     return load_keypair(sec, need_secret=True)
+
+
+def vgpu_ids(items: list[str], flag: str, max_count: int | None = None) -> list[int]:
+    """vGPU ids as ``--vgpu`` takes them (the config's own parser), each below the plan limit
+    ``MAX_VGPUS`` and at most ``max_count`` of them. The bounds are checked on the text first:
+    ``0-10**20`` must be refused, not expanded into a list, and an id msgpack cannot carry must
+    not reach the wire."""
+    from .daemon.config import ConfigError, parse_vgpus
+    from .plan import MAX_VGPUS
+
+    count = 0
+    for item in items:
+        for part in item.split(","):
+            a, sep, b = part.strip().partition("-")
+            try:
+                lo = int(a)
+                hi = int(b) if sep else lo
+            except ValueError:
+                continue  # the parser below says what is wrong with it
+            if max(lo, hi) >= MAX_VGPUS:
+                raise InputError(f"{flag}: vGPU id {max(lo, hi)} in {part.strip()!r} is too large "
+                                 f"(ids are below {MAX_VGPUS:,}, the plan limit)")
+            count += max(0, hi - lo + 1)
+            if max_count is not None and count > max_count:
+                raise InputError(f"{flag}: more than {max_count:,} vGPUs for one process "
+                                 "(run several executors)")
+    try:
+        return parse_vgpus(items)
+    except ConfigError as e:
+        raise InputError(f"{flag}: {str(e).removeprefix('--vgpu: ')}") from None

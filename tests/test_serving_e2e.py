@@ -259,7 +259,11 @@ def test_second_claim_on_a_vgpu_waits_for_the_first_to_die(workdir):
         c.start()
         first = c.executors[0].pid
         c.groups.append([0, 1, 2, 3])
-        c.executors.append(c._start_executor(1))  # a second process for the same vGPUs
+        # a second process for the same vGPUs, on a data endpoint of its own (the first one's is
+        # held, and an executor refuses to take a live process's socket)
+        c.executors.append(c._spawn([c.python, "-m", "ppiped.executor.main", "--config", str(c.config),
+                                     "--vgpu", "0,1,2,3", "--log-level", c.log_level, "--data-endpoint",
+                                     f"ipc://{workdir}/second-data.sock"], "executor-1.log"))
         st = wait_status(c, lambda s: s["counters"].get("vgpu_taken", 0) >= 1)
         assert st["counters"]["vgpu_taken"] >= 1 and [e["pid"] for e in st["executors"]] == [first]
         c.kill_executor(0)

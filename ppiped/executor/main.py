@@ -32,6 +32,8 @@ import itertools
 import math
 import os
 import signal
+import socket
+import stat
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -48,11 +50,10 @@ from ..daemon.config import (
     check_endpoint,
     format_ranges,
     load_config,
-    parse_vgpus,
 )
 from ..daemon.loop import NOBLOCK, Reader, Timers, now_us, send_parts
 from ..errors import UserError
-from ..security import connect_as, load_keypair, serve, start_authenticator
+from ..security import connect_as, load_keypair, serve, start_authenticator, vgpu_ids
 from ..wire import T
 from .backends import Backend, make_backend
 
@@ -70,6 +71,45 @@ DATA_SLICE_US = 1000
 DATA_PACE_AFTER_US = 5000
 DATA_FLOOD_DUTY = 0.5
 PEER_RETRY_US = 200_000
+MAX_VGPUS_PER_PROCESS = 4096
+"""Most vGPUs one executor process runs. Emulated clusters put some hundreds in one process
+(each is a Worker on the one event loop, and REGISTER and heartbeats list them all); beyond a
+few thousand one loop cannot keep their reservations, so ``--vgpu 0-100000`` is a typo, not a
+cluster."""
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def ipc_path(endpoint: str) -> str | None:
+    """The file an ``ipc://`` endpoint binds (None: not ipc, or Linux's abstract namespace)."""
+    if not endpoint.startswith("ipc://") or endpoint[6:].startswith("@") or len(endpoint) == 6:
+        return None
+    return endpoint[6:]
+
+
+def ipc_taken(path: str) -> str | None:
+    """Why binding ``path`` would steal it, or None. ZeroMQ's ipc bind unlinks whatever is
+    there, so a second executor for the same vGPU would silently cut off the live one: a file
+    that accepts a plain unix connect has a listener; a refused connect is a stale socket."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot check {path}: {e.strerror or e}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} exists and is not a socket (not replacing it)"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2.0)
+    try:
+        s.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return None  # stale: left by a process that died
+    except OSError as e:
+        return f"cannot check whether a process listens on {path}: {e.strerror or e}"
+    finally:
+        s.close()
+    return (f"{path} is held by a live process: another executor already serves this data endpoint "
+            "(stop it first, or give this one another vGPU or --data-endpoint)")
 
 
 class Job:
@@ -248,12 +288,39 @@ class Executor:
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.setsockopt(zmq.RCVHWM, 100_000)
         serve(self.data, sec, "data", sec.own)
+        path = ipc_path(self.data_endpoint)
+        why = ipc_taken(path) if path else None
         try:
-            self.data.bind(self.data_endpoint)
+            if why is None:
+                self.data.bind(self.data_endpoint)
         except zmq.ZMQError as e:
-            log.error("bind-failed", endpoint=self.data_endpoint, error=str(e))
+            why = f"cannot bind the data endpoint {self.data_endpoint}: {e}"
+        if why is not None:
+            log.error("bind-failed", endpoint=self.data_endpoint, error=why)
+            print(f"ppiped-executor: error: {why}", file=sys.stderr, flush=True)
             self._close_zmq()
             return 2
+        owned = None
+        if path:
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                owned = (st.st_dev, st.st_ino)
+        try:
+            return await self._serve()
+        finally:
+            self._unlink_own(path, owned)
+
+    @staticmethod
+    def _unlink_own(path: str | None, owned: tuple[int, int] | None) -> None:
+        """Remove the data socket file this process bound (never one another process made since)."""
+        if not path or owned is None:
+            return
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) == owned:
+                os.unlink(path)
+
+    async def _serve(self) -> int:
         self.timers = Timers(self.loop)
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
         self.data_reader = Reader(self.loop, self.data, self.on_data, budget_us=DATA_SLICE_US,
@@ -711,12 +778,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--data-endpoint", help="endpoint to bind for feature maps (default from the config)")
     ap.add_argument("--scheduler", help="scheduler executor endpoint (default: endpoints.executor)")
     ap.add_argument("--key", help="this executor's CURVE .key_secret (default: security.executor_key)")
-    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     args = ap.parse_args(argv)
     logs.setup(args.log_level)
     try:
         cfg = load_config(args.config)
-        vgpus = parse_vgpus(args.vgpu)
+        vgpus = vgpu_ids(args.vgpu, "--vgpu", MAX_VGPUS_PER_PROCESS)
         if args.data_endpoint:
             check_endpoint(args.data_endpoint, "--data-endpoint", "flags", cfg.allow_remote)
         if args.scheduler:
