@@ -245,3 +245,36 @@ def check_request_count(expected: float, how: str, cap: int = MAX_REQUESTS) -> N
     if not expected <= cap:  # also NaN
         raise InputError(f"{how} makes about {expected:.3g} requests; at most {cap:,} are generated "
                          "per run (they are all drawn up front): lower the load or --duration")
+
+
+def output_dir(s: str) -> Path:
+    """A directory the command can write into (made if missing): checked first, so a file, a
+    path under a file or an unwritable place is refused before any work. Nothing is left
+    created here (a probe folder is made and removed at once)."""
+    import tempfile
+
+    p = Path(s)
+    if not s:
+        raise argparse.ArgumentTypeError("'': empty path")
+    if p.exists() and not p.is_dir():
+        raise argparse.ArgumentTypeError(f"{s}: not a directory")
+    top = p
+    while not top.exists() and top.parent != top:
+        top = top.parent
+    if top.exists() and not top.is_dir():
+        raise argparse.ArgumentTypeError(f"{s}: {top} is a file, not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".ppiped-probe-", dir=top))
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{s}: cannot create files under {top} "
+                                         f"({e.strerror or e})") from None
+    return p
+
+
+def file_name(s: str) -> str:
+    """A plain file name (it names ``DIR/<name>.json`` and ``DIR/<name>/``): a path such as
+    ``../x`` or ``/abs`` would write outside the output directory."""
+    if not s or "/" in s or "\\" in s or "\0" in s or s in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{s!r} is not a plain file name (no '/', not '.', '..' "
+                                         "or empty)")
+    return s

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import argtypes as at
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -17,13 +19,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "detector and the glue on seeded example frames) and DIR/cluster.toml. "
                     "Seeded: the same files every time.",
     )
-    p.add_argument("-o", "--out", type=Path, default=Path("plans/example-app"), metavar="DIR",
+    p.add_argument("-o", "--out", type=at.output_dir, default=Path("plans/example-app"), metavar="DIR",
                    help="output directory (default plans/example-app)")
     p.add_argument("--gpus", default="V100:1-4,P4:1",
                    help="GPU types and splits to estimate; the first is the SLO reference "
                         "(default V100:1-4,P4:1)")
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-batch", type=at.integer(1, 1024), default=8,
+                   help="profile batch sizes 1..B (default 8)")
+    p.add_argument("--seed", type=at.SEED, default=0)
     p.set_defaults(func=run)
 
 

@@ -17,6 +17,7 @@ from ..profiler.profile import (
     parse_splits,
     profile_model,
 )
+from . import argtypes as at
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,13 +33,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "PyTorch; estimate: datasheet what-if (default ort)")
     p.add_argument("--gpu", help="GPU type the latencies are for (estimate: one of the spec table; "
                                  "ort default CPU)")
-    p.add_argument("--blocks", type=int, default=10, help="number of blocks (default 10)")
+    p.add_argument("--blocks", type=at.integer(1, 1000), default=10,
+                   help="number of blocks (default 10)")
     p.add_argument("--batch-sizes", default="1-8", help="batch sizes 1-B (default 1-8)")
     p.add_argument("--splits", default="1", help="vGPU splits, e.g. 1,2,3,4 (default 1)")
-    p.add_argument("-o", "--out", type=Path, required=True, metavar="DIR")
-    p.add_argument("--name", help="model name (default: the file's stem)")
+    p.add_argument("-o", "--out", type=at.output_dir, required=True, metavar="DIR")
+    p.add_argument("--name", type=at.file_name, help="model name (default: the file's stem)")
     p.add_argument("--input-shape", help="fix the per-sample input shape, e.g. 3x224x224")
-    p.add_argument("--threads", type=int, help="ort: cores for split 1 (default: all)")
+    p.add_argument("--threads", type=at.integer(1, 4096), help="ort: cores for split 1 (default: all)")
     p.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
                    help="ort: time by wall clock or CPU time (auto: CPU time when a copy has one "
                         "thread, robust to other load on the machine)")
@@ -54,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "connections such as FPN necks mostly uncuttable)")
     p.add_argument("--partition-cost", choices=("backend", "flops"), default="backend",
                    help="what blocks balance: this backend's latencies (default) or FLOPs")
-    p.add_argument("--rounds", type=int, default=7, help="timed rounds per figure (median taken)")
+    p.add_argument("--rounds", type=at.integer(1, 10_000), default=7, help="timed rounds per figure (median taken)")
     p.add_argument("--partitions", help="also export block ranges, e.g. 0-4,4-10")
     p.add_argument("--slo-reference", help="GPU whose whole-model latency sets SLOs (default: first profiled)")
     p.add_argument("--replace", action="store_true", help="start a new profile instead of merging")

@@ -116,6 +116,7 @@ def build_tiny_model(seed: int = 0) -> onnx.ModelProto:
 def parse_gpu_splits(text: str) -> list[tuple[str, list[int]]]:
     """'V100:1-4,P4:1' -> [('V100', [1, 2, 3, 4]), ('P4', [1])]."""
     from ..errors import InputError
+    from .profile import MAX_SPLIT
 
     out = []
     for part in text.split(","):
@@ -127,6 +128,10 @@ def parse_gpu_splits(text: str) -> list[tuple[str, list[int]]]:
             raise InputError(f"bad GPU spec {part!r}: expected NAME:1-4 or NAME:1") from None
         if not gpu or not splits or splits[0] < 1:
             raise InputError(f"bad GPU spec {part!r}: expected NAME:1-4 or NAME:1")
+        if splits[-1] > MAX_SPLIT:
+            raise InputError(f"bad GPU spec {part!r}: a GPU splits into at most {MAX_SPLIT} vGPUs")
+        if any(g == gpu for g, _ in out):
+            raise InputError(f"bad GPU spec {text!r}: {gpu} is given twice")
         out.append((gpu, splits))
     return out
 

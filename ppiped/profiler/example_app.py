@@ -57,6 +57,29 @@ splits = [1]
 """
 
 
+DEFAULT_COUNTS = {"V100": 2, "P4": 6}
+"""GPUs of each type in the example cluster (other types: two each, one server)."""
+
+
+def cluster_toml(specs: Sequence[tuple[str, Sequence[int]]]) -> str:
+    """The cluster file for the GPU types and splits of ``--gpus`` (the default ones give
+    :data:`CLUSTER_TOML`), named as the profiles key them."""
+    from .gpus import gpu_spec
+
+    if [(g, list(sp)) for g, sp in specs] == [("V100", [1, 2, 3, 4]), ("P4", [1])]:
+        return CLUSTER_TOML
+    parts = []
+    lines = ["nic_gbps = 10"]
+    for gpu, splits in specs:
+        name = gpu_spec(gpu).name
+        count = DEFAULT_COUNTS.get(name, 2)
+        parts.append(f"{count} x {name}")
+        lines += ["", f"[gpus.{name}]", f"count = {count}", "per_server = 2",
+                  f"splits = [{', '.join(str(v) for v in splits)}]"]
+    return f"# The cluster the example app is planned on (--gpus): {', '.join(parts)}.\n" + \
+        "\n".join(lines) + "\n"
+
+
 class _AppBuilder(_Builder):
     """The example's builder with explicit weights, for the detector's wired channel."""
 
@@ -306,6 +329,6 @@ def make_example_app(out_dir: str | Path, gpus: str = "V100:1-4,P4:1", max_batch
     ref = specs[0][0]
     slo = app_slo_ms([profiles[m][0].whole_model_latency_us[ref] for m in (DETECTOR, CLASSIFIER)])
     (out / "apps.toml").write_text(apps_toml(fanout, counts, slo))
-    (out / "cluster.toml").write_text(CLUSTER_TOML)
+    (out / "cluster.toml").write_text(cluster_toml(specs))
     return {"profiles": profiles, "fanout": fanout, "counts": counts,
             "mean": sum(counts) / len(counts), "apps": out / "apps.toml", "cluster": out / "cluster.toml"}

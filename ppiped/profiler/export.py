@@ -9,6 +9,7 @@ inside, where TensorRT fuses the cast into the neighbouring layer.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -166,24 +167,20 @@ def chain_errors(whole_path: str, block_paths: Sequence[str],
     """Run the block sub-models in sequence (fp16 at the boundaries) and the whole model with
     ONNX Runtime on each input batch; the error per whole-model output name (see
     :class:`OutputError`) and the number of samples run."""
-    import onnxruntime as ort
+    from .graph import ort_run, ort_session
 
-    def session(p: str) -> ort.InferenceSession:
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        return ort.InferenceSession(p, so, providers=["CPUExecutionProvider"])
-
-    whole = session(whole_path)
-    blocks = [session(p) for p in block_paths]
+    whole = ort_session(whole_path, "the model")
+    blocks = [ort_session(p, f"block file {Path(p).name}") for p in block_paths]
     name = whole.get_inputs()[0].name
     names = [o.name for o in whole.get_outputs()]
     errs = {n: OutputError() for n in names}
     count = 0
     for x in batches:
-        ref = whole.run(None, {name: x})
+        ref = ort_run(whole, {name: x}, "the model")
         outs: list = [x]
-        for s in blocks:  # a block's inputs are the previous block's outputs, in order
-            outs = s.run(None, {i.name: o for i, o in zip(s.get_inputs(), outs, strict=True)})
+        for k, s in enumerate(blocks):  # a block's inputs are the previous block's outputs, in order
+            outs = ort_run(s, {i.name: o for i, o in zip(s.get_inputs(), outs, strict=True)},
+                           f"block {k}")
         for n, r, o in zip(names, ref, outs, strict=True):
             errs[n].add(o, r)
         count += len(x)
@@ -194,9 +191,10 @@ def chain_error(whole_path: str, block_paths: Sequence[str], batch: int = 2, see
     """:func:`chain_errors` on one random batch, uniform in [0, 1) like an image; the largest
     error over the outputs (NaN if any is NaN)."""
     import numpy as np
-    import onnxruntime as ort
 
-    inp = ort.InferenceSession(whole_path, providers=["CPUExecutionProvider"]).get_inputs()[0]
+    from .graph import ort_session
+
+    inp = ort_session(whole_path, "the model").get_inputs()[0]
     shape = [batch, *[d if isinstance(d, int) else 1 for d in inp.shape[1:]]]
     x = np.random.default_rng(seed).random(shape).astype(np.float32)
     errs, _ = chain_errors(whole_path, block_paths, [x])

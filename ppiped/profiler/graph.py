@@ -35,6 +35,12 @@ ELEMENTWISE = {
 }
 # Tensors a cut may carry: feature maps (sent as fp16). Masks and indices stay inside a block.
 FEATURE_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}
+# Input element types a profile can feed (calibration and timing inputs are floats).
+INPUT_TYPES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.DOUBLE: "float64"}
+MAX_INPUT_ELEMENTS = 2**28
+"""Most elements one input sample may hold (1 GiB of float32): timing and the equivalence check
+allocate whole batches of it, so a larger ask (``--input-shape 3x100000x100000`` wanted 447 GiB)
+only ends in an allocation failure deep inside ONNX Runtime."""
 RESHAPES = {"Flatten", "Reshape", "Squeeze", "Unsqueeze", "Transpose", "Shape", "Gather",
             "Concat", "Slice", "Split", "Constant", "ConstantOfShape", "Expand", "Tile"}
 
@@ -126,17 +132,68 @@ def parse_shape(text: str) -> tuple[int, ...]:
         raise InputError(f"bad --input-shape {text!r}: expected e.g. 3x224x224") from None
     if not dims or min(dims) < 1:
         raise InputError(f"bad --input-shape {text!r}: expected positive dimensions like 3x224x224")
+    _check_input_size(dims, f"--input-shape {text}")
     return dims
+
+
+def _check_input_size(dims, what: str) -> None:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    if n > MAX_INPUT_ELEMENTS:
+        raise InputError(f"{what}: {n:,} elements per sample, more than the {MAX_INPUT_ELEMENTS:,} "
+                         "(1 GiB of float32) a profiled input may hold (every timed batch and the "
+                         "equivalence check allocate whole batches of it)")
+
+
+def ort_session(source, what: str):
+    """An ONNX Runtime CPU session, or an :class:`InputError` naming ``what`` and ORT's reason
+    (an opset it does not know, a malformed graph) instead of ORT's traceback."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    try:
+        return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise InputError(f"ONNX Runtime cannot load {what}: {_ort_reason(e)}") from None
+
+
+def ort_run(sess, feeds: dict, what: str, outputs=None) -> list:
+    """``sess.run`` with ORT's failures (a shape it rejects, an allocation failure) as one
+    :class:`InputError` naming ``what``."""
+    try:
+        return sess.run(outputs, feeds)
+    except Exception as e:
+        raise InputError(f"ONNX Runtime cannot run {what}: {_ort_reason(e)}") from None
+
+
+def _ort_reason(e: Exception) -> str:
+    """ORT's message without its source-file prefix, on one line."""
+    text = " ".join(str(e).split())
+    for marker in ("Status Message:", "ONNX Runtime only"):
+        k = text.find(marker)
+        if k >= 0:
+            text = text[k:].removeprefix("Status Message:").strip()
+            break
+    return text[:400]
 
 
 def load_onnx(path: str | Path) -> onnx.ModelProto:
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory, not an ONNX file")
     if not path.is_file():
         raise InputError(f"{path}: no such ONNX file")
     try:
-        return onnx.load(str(path))
+        m = onnx.load(str(path))
     except Exception as e:  # onnx raises DecodeError and friends
         raise InputError(f"{path}: not a readable ONNX model ({e})") from None
+    if not m.graph.node and not m.graph.input:  # protobuf reads an empty or foreign file as {}
+        raise InputError(f"{path}: not a valid ONNX model (no graph: empty or not an ONNX file)")
+    if not m.graph.output:
+        raise InputError(f"{path}: the model has no outputs, so there is nothing to serve")
+    return m
 
 
 def _check_ops(graph: onnx.GraphProto) -> None:
@@ -166,6 +223,10 @@ def fix_batch_axis(model: onnx.ModelProto, input_shape: tuple[int, ...] | None =
     dims = _dims(inp)
     if not dims:
         raise InputError(f"input {inp.name!r} has no shape; fix it with --input-shape, e.g. 3x224x224")
+    if inp.type.tensor_type.elem_type not in INPUT_TYPES:
+        name = TensorProto.DataType.Name(inp.type.tensor_type.elem_type).lower()
+        raise InputError(f"input {inp.name!r} is {name}, not a float: ppiped profiles models whose "
+                         f"input is one of {', '.join(INPUT_TYPES.values())}")
     rest = dims[1:]
     if input_shape is not None:
         if len(input_shape) != len(rest):
@@ -176,6 +237,10 @@ def fix_batch_axis(model: onnx.ModelProto, input_shape: tuple[int, ...] | None =
         if not isinstance(d, int):
             raise InputError(f"input {inp.name!r} has dynamic dimension {d!r} at axis {ax}; "
                              "fix it with --input-shape, e.g. 3x224x224")
+        if d < 1:
+            raise InputError(f"input {inp.name!r} has size {d} at axis {ax}: a sample holds no data; "
+                             "fix it with --input-shape, e.g. 3x224x224")
+    _check_input_size(rest, f"input {inp.name!r} of shape {rest}")
     shape = inp.type.tensor_type.shape
     del shape.dim[:]
     shape.dim.add().dim_param = BATCH_DIM
@@ -437,7 +502,6 @@ def _shapes_by_running(model: onnx.ModelProto, names: list[str], batch: int = 1,
                        seed: int = 0) -> dict[str, tuple[int, ...]]:
     """Shapes that inference could not derive, read off one ONNX Runtime run (at ``batch`` when
     the model's batch axis is symbolic, on a random input drawn with ``seed``)."""
-    import onnxruntime as ort
 
     m = copy.deepcopy(model)
     have = {o.name for o in m.graph.output}
@@ -445,9 +509,11 @@ def _shapes_by_running(model: onnx.ModelProto, names: list[str], batch: int = 1,
         if t not in have:
             m.graph.output.append(helper.make_empty_tensor_value_info(t))
     try:
-        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        sess = ort_session(m.SerializeToString(), "the model")
         feeds = {i.name: _random_input(i, batch, seed) for i in sess.get_inputs()}
         outs = sess.run(names, feeds)
+    except InputError:
+        raise
     except Exception as e:
         raise InputError(f"cannot determine the shapes of {len(names)} tensors "
                          f"(first: {names[0]!r}) by inference or by running the model: {e}") from None

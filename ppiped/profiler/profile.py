@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -33,11 +36,16 @@ from .backends import BACKENDS, GPU_BACKENDS, Timing
 from .backends import estimate as est
 from .export import Exporter, blocks_from_extra
 from .gpus import GPUS, gpu_spec
-from .graph import DEFAULT_MAX_CUT_TENSORS, ModelGraph, analyze, load_onnx
+from .graph import DEFAULT_MAX_CUT_TENSORS, ModelGraph, analyze, load_onnx, ort_run, ort_session
 from .harness import Job, Mps, run_split, timing_dispersion
 from .partition import Block, block_costs, choose_cuts, max_deviation
 
 EQUIVALENCE_TOLERANCE = 1e-2
+MAX_BATCH = 1024
+"""Largest batch size a profile may hold: every size 1..B is timed, and beyond this no GPU
+batch is served (the estimate grows linearly, a measured run for hours)."""
+MAX_SPLIT = 8
+"""Most vGPUs one GPU may be split into (MPS runs up to 48 clients, PPipe uses up to 4)."""
 SEGMENTS_PER_BLOCK = 4  # measured backends time at most this many candidate pieces per block
 LAYOUTS = {
     "block_latency_layout": "block_latency_us[gpu][vgpu_split][block][batch_size-1]; "
@@ -99,16 +107,23 @@ def parse_batch_sizes(text: str) -> int:
         raise InputError(f"bad --batch-sizes {text!r}: expected a range like 1-8") from None
     if lo != 1 or hi < 1:
         raise InputError(f"bad --batch-sizes {text!r}: profiles hold batch sizes 1..B, give 1-B")
+    if hi > MAX_BATCH:
+        raise InputError(f"bad --batch-sizes {text!r}: at most 1-{MAX_BATCH} (every size is profiled)")
     return hi
 
 
 def parse_splits(text: str) -> list[int]:
     try:
-        out = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
+        items = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
         raise InputError(f"bad --splits {text!r}: expected e.g. 1,2,3,4") from None
+    out = sorted(set(items))
     if not out or out[0] < 1:
         raise InputError(f"bad --splits {text!r}: splits are positive integers")
+    if len(out) != len(items):
+        raise InputError(f"bad --splits {text!r}: a split is given twice")
+    if out[-1] > MAX_SPLIT:
+        raise InputError(f"bad --splits {text!r}: a GPU splits into at most {MAX_SPLIT} vGPUs")
     return out
 
 
@@ -120,8 +135,30 @@ def parse_ranges(text: str) -> list[tuple[int, int]]:
             i, j = (int(x) for x in part.split("-"))
         except ValueError:
             raise InputError(f"bad partition range {part!r}: expected I-J like 0-4") from None
+        if i >= j:
+            raise InputError(f"bad partition range {part!r}: reversed or empty (I-J with I < J, "
+                             "blocks I..J-1)")
         out.append((i, j))
     return out
+
+
+def check_ranges(ranges: Sequence[tuple[int, int]], blocks: int) -> None:
+    """Partition ranges that fit ``blocks`` blocks, checked before any file is written."""
+    for i, j in ranges:
+        if i >= j:
+            raise InputError(f"bad partition range {i}-{j}: reversed or empty (I-J with I < J)")
+        if i < 0 or j > blocks:
+            raise InputError(f"bad partition range {i}-{j}: the profile has blocks 0..{blocks - 1} "
+                             f"(ranges within 0-{blocks})")
+
+
+def check_name(name: str) -> str:
+    """A model name is a plain file name: it names ``DIR/<name>.json`` and ``DIR/<name>/``, so
+    a path (``../x``, ``/abs``) would write outside ``-o``."""
+    if not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+        raise InputError(f"model name {name!r} is not a plain file name (no '/', not '.', '..' "
+                         "or empty)")
+    return name
 
 
 def _version() -> str:
@@ -184,18 +221,22 @@ def _existing(req: ProfileRequest, path: Path, sha: str) -> Profile | None:
     return prof
 
 
-def _check_batch_axis(graph: ModelGraph, original: onnx.ModelProto, max_batch: int) -> None:
-    """A model exported with batch size fixed to 1 may hard-code it (Reshape to [1, -1])."""
+def _check_runs(graph: ModelGraph, original: onnx.ModelProto, max_batch: int) -> None:
+    """The analysed model must load and run in ONNX Runtime at batch size 1 (an opset ORT does
+    not know, a zero-sized dimension: said here, before any file is written), and at batch size
+    2 when its batch axis is fixed: a model exported with batch size 1 may hard-code it (Reshape
+    to [1, -1])."""
+    sess = ort_session(graph.model.SerializeToString(), "the model")
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(graph.dtypes.get(graph.input_name, 1))
+    ort_run(sess, {graph.input_name: np.zeros((1, *graph.input_shape), dtype=dtype)},
+            "the model at batch size 1")
     inits = {t.name for t in original.graph.initializer}
     inp = next(i for i in original.graph.input if i.name not in inits)
     dim0 = inp.type.tensor_type.shape.dim[0] if inp.type.tensor_type.shape.dim else None
     if max_batch == 1 or dim0 is None or dim0.HasField("dim_param"):
         return
-    import onnxruntime as ort
-
     try:
-        sess = ort.InferenceSession(graph.model.SerializeToString(), providers=["CPUExecutionProvider"])
-        x = np.zeros((2, *graph.input_shape), dtype=np.float32)
+        x = np.zeros((2, *graph.input_shape), dtype=dtype)
         sess.run(None, {graph.input_name: x})
     except Exception as e:
         raise InputError(f"the model's batch axis is fixed at {dim0.dim_value} and does not run at "
@@ -389,17 +430,53 @@ def profile_model(req: ProfileRequest) -> tuple[Profile, Path]:
     elif not req.gpu:
         raise InputError(f"--gpu is required with --backend {req.backend} (a short name such as "
                          "H100; it keys the profile's latencies)")
+    if req.blocks < 1:
+        raise InputError(f"--blocks must be at least 1, got {req.blocks}")
+    if req.max_batch > MAX_BATCH:
+        raise InputError(f"batch sizes go up to {MAX_BATCH}, got {req.max_batch}")
+    if max(req.splits) > MAX_SPLIT or len(set(req.splits)) != len(req.splits):
+        raise InputError(f"splits must be distinct, 1..{MAX_SPLIT}: got {list(req.splits)}")
+    check_ranges(req.partitions, req.blocks)
+    name = check_name(req.name if req.name is not None else req.model_path.stem)
     original = load_onnx(req.model_path)
-    name = req.name or req.model_path.stem
     graph = analyze(original, req.input_shape, req.max_cut_tensors, batched=req.max_batch > 1)
-    _check_batch_axis(graph, original, req.max_batch)
+    _check_runs(graph, original, req.max_batch)
     _check_block_count(req, graph)
+    inp = None
+    if req.verify:
+        from .calibration import ModelInput
+
+        inp = ModelInput(graph.input_name, tuple(graph.input_shape),
+                         onnx.helper.tensor_dtype_to_np_dtype(graph.dtypes.get(graph.input_name, 1)))
+        if req.calibration is not None:
+            _precheck_calibration(req.calibration, inp)
     sha = hashlib.sha256(graph.model.SerializeToString()).hexdigest()
-    req.out_dir.mkdir(parents=True, exist_ok=True)
+    created = _make_out_dir(req.out_dir)
     prof_path = req.out_dir / f"{name}.json"
-    existing = _existing(req, prof_path, sha)
-    model_dir = req.out_dir / name
-    model_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        existing = _existing(req, prof_path, sha)
+        _check_slo_reference(req, existing)
+        stage = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=req.out_dir))
+    except BaseException:
+        _remove_created(created)
+        raise
+    try:
+        prof = _profile_into(req, graph, existing, sha, name, stage, inp)
+        save_profile(prof, stage / f"{name}.json")
+        _commit(stage, req.out_dir, name, keep_old=existing is not None)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        _remove_created(created)
+        raise
+    shutil.rmtree(stage, ignore_errors=True)
+    return prof, prof_path
+
+
+def _profile_into(req: ProfileRequest, graph: ModelGraph, existing: Profile | None, sha: str,
+                  name: str, stage: Path, inp) -> Profile:
+    """Export, check and time everything in ``stage`` (the caller moves it into place)."""
+    model_dir = stage / name
+    model_dir.mkdir()
     whole_path = model_dir / "model.onnx"
     onnx.save(graph.model, str(whole_path))
     if existing is not None and "blocks" in existing.extra:
@@ -407,6 +484,7 @@ def profile_model(req: ProfileRequest) -> tuple[Profile, Path]:
         part_info = existing.extra.get("partitioning", {})
     else:
         blocks, part_info = _partition(req, graph, model_dir / "pieces")
+    check_ranges(req.partitions, len(blocks))
     exporter = Exporter(graph.model, blocks)
     files = []
     for b in blocks:
@@ -417,10 +495,8 @@ def profile_model(req: ProfileRequest) -> tuple[Profile, Path]:
         onnx.save(exporter.partition(i, j), str(model_dir / f"partition_{i:02d}_{j:02d}.onnx"))
     equivalence = None
     if req.verify:
-        from .calibration import ModelInput, check_equivalence
+        from .calibration import check_equivalence
 
-        inp = ModelInput(graph.input_name, tuple(graph.input_shape),
-                         onnx.helper.tensor_dtype_to_np_dtype(graph.dtypes.get(graph.input_name, 1)))
         equivalence = check_equivalence(whole_path, files, inp, req.calibration, req.max_batch,
                                         EQUIVALENCE_TOLERANCE)
         if not equivalence["passed"]:
@@ -438,8 +514,85 @@ def profile_model(req: ProfileRequest) -> tuple[Profile, Path]:
     prof = _merge(existing, req, graph, blocks, lat, whole, source, part_info, sha, name)
     if equivalence is not None:
         prof.extra["equivalence"] = equivalence
-    save_profile(prof, prof_path)
-    return prof, prof_path
+    return prof
+
+
+def _precheck_calibration(path: Path, inp) -> None:
+    """Refuse calibration input that cannot fit the model before anything is exported: the
+    folder's file list, and each ``.npy`` file's shape and dtype (read from its header)."""
+    from .calibration import Calibration, _open_npy
+
+    cal = Calibration(path, inp)
+    for f in cal.files:
+        if f.suffix.lower() == ".npy":
+            _open_npy(f, inp)
+
+
+def _make_out_dir(out: Path) -> list[Path]:
+    """Create ``-o`` (and missing parents), or say in one line why not; returns the folders it
+    created, so a failed run can take them away again."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"-o {out}: not a directory")
+    missing = []
+    p = out
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        raise InputError(f"-o {out}: {p} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"-o {out}: cannot create the directory ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        _remove_created(missing)
+        raise InputError(f"-o {out}: directory is not writable")
+    return missing
+
+
+def _remove_created(dirs: Sequence[Path]) -> None:
+    for d in dirs:  # deepest first; only the ones still empty
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+def _check_slo_reference(req: ProfileRequest, existing: Profile | None) -> None:
+    """``--slo-reference`` must be a GPU type the profile will hold after this run."""
+    if req.slo_reference is None:
+        return
+    have = [*(existing.gpus if existing is not None else []), req.gpu or ""]
+    if req.slo_reference not in have:
+        raise InputError(f"--slo-reference {req.slo_reference}: the profile has no latencies for it "
+                         f"(it will hold {', '.join(dict.fromkeys(have))}); profile that GPU first")
+
+
+def _commit(stage: Path, out: Path, name: str, keep_old: bool) -> None:
+    """Move the staged model folder, then the profile, into ``out`` (each a rename): a run that
+    failed earlier left the old ones untouched. A merged run keeps the old folder's extra files
+    (partition exports of earlier runs) that it did not write again."""
+    new_dir, old_dir = stage / name, out / name
+    backup = stage / "old"
+    if old_dir.is_dir() and not old_dir.is_symlink():
+        if keep_old:
+            for f in old_dir.iterdir():
+                if f.is_file() and not (new_dir / f.name).exists():
+                    shutil.copy2(f, new_dir / f.name)
+        os.replace(old_dir, backup)
+    elif old_dir.exists() or old_dir.is_symlink():
+        raise InputError(f"{old_dir} exists and is not a directory; move it away")
+    try:
+        os.replace(new_dir, old_dir)
+        os.replace(stage / f"{name}.json", out / f"{name}.json")
+    except BaseException:
+        if backup.exists():
+            if old_dir.exists():
+                shutil.rmtree(old_dir, ignore_errors=True)
+            os.replace(backup, old_dir)
+        raise
 
 
 def _merge(existing: Profile | None, req: ProfileRequest, graph: ModelGraph, blocks: Sequence[Block],
@@ -466,6 +619,8 @@ def _merge(existing: Profile | None, req: ProfileRequest, graph: ModelGraph, blo
     sources[gpu] = source
     extra["latency_source"] = sources
     ref = req.slo_reference or extra.get("slo_reference_gpu") or gpu
+    if ref not in latency:
+        ref = gpu
     extra["slo_reference_gpu"] = ref
     extra["slo_note"] = ("SLO = multiplier x whole_model_latency_us[slo_reference_gpu] "
                          "(batch 1, whole GPU), as in PPipe")
