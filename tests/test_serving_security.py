@@ -134,6 +134,21 @@ def test_forged_feedback_cannot_stall_the_schedule(cluster, tmp_path):
         imp.close()
 
 
+def test_standby_registrations_learn_no_data_endpoints(cluster, tmp_path):
+    """A process holding only spare vGPU ids gets its WELCOME but no PEERS directory (the plan's
+    data endpoints), and its own id is not passed on to the executors."""
+    c, cfg = cluster
+    imp = Impostor(cfg.executor)
+    try:
+        assert imp.register([230], f"ipc://{tmp_path}/standby.sock").type == T.WELCOME
+        got = []
+        while imp.sock.poll(500):
+            got.append(wire.decode(imp.sock.recv_multipart()[0]).type)
+        assert T.PEERS not in got, got
+    finally:
+        imp.close()
+
+
 def test_bad_endpoints_and_malformed_results_are_refused(cluster):
     c, cfg = cluster
     imp = Impostor(cfg.executor)

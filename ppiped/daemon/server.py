@@ -1210,8 +1210,9 @@ class Server:
             if v < self.nv:
                 self.vgpu_exec[v] = ex
         self._welcome(ident, vgpus)
-        self._send_peers()
         standby = [v for v in vgpus if v >= self.nv]
+        if len(standby) < len(vgpus):  # (a standby-only executor changes no one's directory)
+            self._send_peers()
         log.info("executor-registered", vgpus=format_ranges(vgpus), pid=pid, backend=backend, data=endpoint,
                  standby=format_ranges(standby) if standby else "-")
 
@@ -1234,10 +1235,15 @@ class Server:
         return sum(1 for e in self.vgpu_exec if e is not None and e.ready)
 
     def _send_peers(self) -> None:
-        directory = {v: e.endpoint for e in self.execs.values() for v in e.vgpus}
+        """The data endpoints of the plan's vGPUs, to the executors serving some of them. Why not
+        standby ids too: they carry no batches, and any local process may register one; each
+        registration broadcast to every peer made the daemon's memory grow with the cube of the
+        connections (and a directory of thousands of ids exceeded the executors' header limit)."""
+        directory = {v: e.endpoint for e in self.execs.values() for v in e.vgpus if v < self.nv}
         msg = wire.peers(directory)
         for e in list(self.execs.values()):
-            self._send_exec(e.ident, msg)
+            if any(v < self.nv for v in e.vgpus):
+                self._send_exec(e.ident, msg)
 
     def ready(self, ex: ExecState) -> None:
         ex.ready = True
@@ -1267,7 +1273,8 @@ class Server:
         self.counters["executors_lost"] += 1
         log.warning("executor-removed", vgpus=format_ranges(ex.vgpus), pid=ex.pid, reason=why,
                     batches_lost=len(lost))
-        self._send_peers()
+        if any(v < self.nv for v in ex.vgpus):
+            self._send_peers()
         self._dirty_decide = True
 
     def lose_batch(self, b: Batch, why: str) -> None:
