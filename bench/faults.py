@@ -148,6 +148,12 @@ def forged_results(args) -> dict:
                     ok=wrong == 0 and load.get("no_reply", 1) == 0)
 
 
+def _data_ports(c: LocalCluster) -> dict[int, str]:
+    """One vGPU id per executor and its data endpoint, as the status lists them."""
+    return {int(e["vgpus"].split(",")[0].split("-")[0]): e["endpoint"] for e in c.status()["executors"]
+            if e["vgpus"] != "500"}
+
+
 def forward_child(directory: dict[int, str], seconds: float) -> dict:
     """The injector: FORWARDs without the data key, for batch ids the scheduler never issues, at
     each vGPU's own hop, into every data port, as fast as the sockets take them."""
@@ -197,19 +203,21 @@ def _inject(c: LocalCluster, directory: dict[int, str], args, keys: Path | None 
 
 
 def forward_injection(args) -> dict:
-    """Without CURVE the injector learns the data ports by registering a spare vGPU id, and the
-    executors must read (and refuse) every FORWARD: none runs and none is lost, but on a small
-    host the flood takes CPU from the legit work. With CURVE (what leaves loopback, and the
-    systemd install, uses) the data ports refuse its connection, so it costs nothing."""
+    """Without CURVE the injector registers a spare vGPU id (which since session 12 learns no
+    data ports: PEERS goes only to executors serving the plan) and finds the data ports as a
+    process on the host can (the socket files, a port scan: here the status), and the executors
+    must read (and refuse) every FORWARD: none runs and none is lost, but on a small host the
+    flood takes CPU from the legit work. With CURVE (what leaves loopback, and the systemd
+    install, uses) the data ports refuse its connection, so it costs nothing."""
     with short_tmpdir("ppiped-faults-") as d, _cluster(Path(d)) as c:
-        ctx, _registered, directory = _spare_executor(c, Path(d))
-        plain = _inject(c, directory, args)
+        ctx, _registered, learned = _spare_executor(c, Path(d))
+        plain = _inject(c, _data_ports(c), args)
+        plain["ports_from_peers"] = len(set(learned.values()))
         ctx.destroy(0)
     emit(case="forward-injection", curve=False, **plain,
          ok=plain["forged_run"] == 0 and plain["executors_lost"] == 0 and plain["legit_no_reply"] == 0)
     with short_tmpdir("ppiped-faults-") as d, _curve_cluster(Path(d)) as (c, keys):
-        directory = {int(e["vgpus"].split(",")[0].split("-")[0]): e["endpoint"] for e in c.status()["executors"]}
-        cur = _inject(c, directory, args, keys)
+        cur = _inject(c, _data_ports(c), args, keys)
     return emit(case="forward-injection-curve", curve=True, **cur,
                 ok=cur["forged_run"] == 0 and cur["executors_lost"] == 0 and cur["legit_no_reply"] == 0
                 and plain["forged_run"] == 0 and plain["executors_lost"] == 0 and plain["legit_no_reply"] == 0)
