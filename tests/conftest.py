@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,23 @@ import pytest
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "ppipe"
 MODELS_DIR = SHARED / "models"
 REFERENCE_DIR = SHARED / "reference-plans" / "maf21"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """``python -m ARGV`` as a user runs it; a hang shows as ``TimeoutExpired``, a failed test."""
+    return subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_refused(p: subprocess.CompletedProcess[str], fragment: str, rc: int = 2, prefix: str = "") -> None:
+    """Refused with ``rc``, the reason (``fragment``, after ``prefix``) in the last line of
+    stderr, and no traceback."""
+    assert p.returncode == rc, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(prefix), last
+    assert fragment in last, last
 
 
 def cuda_torch() -> bool:

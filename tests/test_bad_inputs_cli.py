@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import assert_refused as refused
+from conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "plans" / "example"
@@ -26,18 +27,11 @@ CLUSTER = ["--cluster", str(EXAMPLE / "cluster.toml")]
 
 
 def ppiped(argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """Run the CLI as a user does; a hang shows as ``TimeoutExpired``, i.e. a failed test."""
-    return subprocess.run([sys.executable, "-m", "ppiped.cli", *argv], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_cli(["ppiped.cli", *argv], timeout)
 
 
 def assert_refused(p: subprocess.CompletedProcess[str], rc: int, fragment: str) -> None:
-    """Refused with ``rc``, the reason in the last line of stderr, and no traceback."""
-    assert p.returncode == rc, p.stderr[-2000:]
-    assert "Traceback" not in p.stderr, p.stderr[-2000:]
-    last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"ppiped {p.args[3]}: error: "), last
-    assert fragment in last, last
+    refused(p, fragment, rc, prefix=f"ppiped {p.args[3]}: error: ")
 
 
 def _fill(argv: list[str], tmp: Path) -> list[str]:

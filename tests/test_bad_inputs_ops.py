@@ -16,22 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import assert_refused, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """One run; a hang shows as ``TimeoutExpired``, a failed test."""
-    return subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def refused(p: subprocess.CompletedProcess[str], fragment: str, rc: int = 2) -> None:
-    """Exit ``rc``, ``fragment`` in the last line of stderr, no traceback."""
-    assert p.returncode == rc, p.stderr[-2000:]
-    assert "Traceback" not in p.stderr, p.stderr[-2000:]
-    last = p.stderr.strip().splitlines()[-1]
-    assert fragment in last, last
+    assert_refused(p, fragment, rc)
 
 
 def executor_config(tmp: Path) -> Path:
