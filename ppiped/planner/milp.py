@@ -201,8 +201,8 @@ def solve_allocation(
     whose purchases are incumbents when they fit; a MILP restricted to a kernel of promising
     configurations, for a good incumbent quickly; the Lagrangian bound with PPipe's per-model
     whole-GPU rounding (:mod:`.lagrange`), which closes most of what is left when several GPU
-    types bind; and the full MILP, warm-started from the incumbent with ``z`` capped by the
-    bound, until ``time_limit_s``. The knapsack bound is usually the optimum, so most instances
+    types bind; and the full MILP, warm-started from the incumbent, with ``z`` free (with time
+    to spare, capped at the bound first), until ``time_limit_s``. The knapsack bound is usually the optimum, so most instances
     end without the full MILP; where it is not, the status is "feasible" and the gap is
     measured against the best bound found.
     """
@@ -243,25 +243,21 @@ def solve_allocation(
     status = "optimal" if S.done() else "feasible"
     stats = (0, 0, 0)
     if not S.done() and time.perf_counter() < deadline:
-        r = _cbc(configs, weights, cluster, S.bound,
-                 max(0.1, deadline - time.perf_counter() - _DEADLINE_MARGIN_S), threads, rel_gap, S.best,
-                 share_gpus)
-        stats = (r.num_vars, r.num_int, r.num_constrs)
-        if r.killed:
-            S.phases["full_killed"] = True
-        S.offer(r.allocs, "full")
-        if r.status == "optimal":
-            if max(S.best_z, r.bound) < S.bound:
-                S.bound = max(S.best_z, r.bound)
-                S.phases["bound_by"] = "cbc"
+        # The full MILP with z free: under a cap the optimum does not attain, every node's LP
+        # sits at the cap and CBC's bound cannot move until the whole tree above it is closed
+        # (3 and 4 GPU types, 10 and 20 s: capped alone proved 1-4 and 1 of 12, free 7-8 and 5).
+        # With time to spare, a capped run first: a search for a plan at the bound, sometimes
+        # much the quicker (maf21 efficientnet V100-P4: 8 s capped, 53 s free); at 10-20 s
+        # limits its share cost more proofs than it gave (capped first: 6 and 3 of 12).
+        left = deadline - time.perf_counter() - _DEADLINE_MARGIN_S
+        if left >= _CAPPED_MIN_LEFT_S:
+            stats = S.full(_CAPPED_SHARE * left, capped=True)
+        if not S.done() and time.perf_counter() < deadline - _DEADLINE_MARGIN_S:
+            stats = S.full(max(0.1, deadline - time.perf_counter() - _DEADLINE_MARGIN_S), capped=False)
+        if S.phases.get("full_status") == "optimal" or S.phases.get("full_capped_status") == "optimal":
             status = "optimal"
-        elif r.status in ("feasible", "no_solution_found", "other") and 0 < r.bound < S.bound:
-            S.bound = r.bound
-            S.phases["bound_by"] = "cbc"
-        S.phases["full_status"] = r.status
-        S.lap("full")
     if not S.best:
-        proven = S.phases.get("full_status") == "optimal" or S.bound <= 1e-9
+        proven = "optimal" in (S.phases.get("full_status"), S.phases.get("full_capped_status")) or S.bound <= 1e-9
         raise NoSolution(f"no feasible allocation found in {time.perf_counter() - t0:.1f} s", proven)
     if S.done():
         status = "optimal"
@@ -286,6 +282,10 @@ _DEADLINE_MARGIN_S = 1.0
 _RESTRICTED_S = 1.0
 _RESTRICTED_SHARE = 0.1
 _RESTRICTED_MAX_S = 5.0
+# The full MILP's run with z capped at the bound, made when at least this much time is left,
+# gets this share of it.
+_CAPPED_MIN_LEFT_S = 30.0
+_CAPPED_SHARE = 0.25
 # The Lagrangian bound may take this share of what is left before the full MILP.
 _LAGRANGE_SHARE = 0.3
 # Configurations per model, cheapest per request/s at the LP's prices, in the restricted MILP.
@@ -377,6 +377,26 @@ class _Search:
                 self.phases["bound_prices"] = {str(k): v for k, v in prices.items()}
         self.phases["lagrange"] = runs
 
+    def full(self, seconds: float, capped: bool) -> tuple[int, int, int]:
+        """The MILP over every configuration, warm-started from the incumbent, with ``z``
+        capped at the bound or free; returns its size (variables, integers, rows)."""
+        name = "full_capped" if capped else "full"
+        r = _cbc(self.configs, self.weights, self.cluster, self.bound if capped else None, seconds,
+                 self.threads, self.rel_gap, self.best, self.share_gpus)
+        if r.killed:
+            self.phases[f"{name}_killed"] = True
+        self.offer(r.allocs, name)
+        if r.status == "optimal":
+            if max(self.best_z, r.bound) < self.bound:
+                self.bound = max(self.best_z, r.bound)
+                self.phases["bound_by"] = "cbc"
+        elif r.status in ("feasible", "no_solution_found", "other") and 0 < r.bound < self.bound:
+            self.bound = r.bound
+            self.phases["bound_by"] = "cbc"
+        self.phases[f"{name}_status"] = r.status
+        self.lap(name)
+        return r.num_vars, r.num_int, r.num_constrs
+
     def restricted(self, seconds: float) -> None:
         """A MILP over the kept configurations only, for a quick good incumbent."""
         left = self.deadline - time.perf_counter()
@@ -427,8 +447,9 @@ KILL_GRACE_S = 3.0
 
 def _cbc(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start,
          share_gpus) -> _CbcResult:
-    """One CBC run on the MILP over ``configs`` (in a child, killed ``KILL_GRACE_S`` after
-    ``time_limit_s``); the child sends back only indices and counts."""
+    """One CBC run on the MILP over ``configs`` with ``z`` capped at ``z_cap`` (None: free), in
+    a child killed ``KILL_GRACE_S`` after ``time_limit_s``; the child sends back only indices
+    and counts."""
     def run():
         out = _cbc_in_process(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap,
                               start, share_gpus)
@@ -440,7 +461,7 @@ def _cbc(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start
     if answer is None:
         log.warning("planner: a CBC child was %s (limit %.1f s); keeping the best plan found "
                     "before it", how, time_limit_s)
-        return _CbcResult(how, [], -1.0, z_cap, 0, 0, 0, how == "killed")
+        return _CbcResult(how, [], -1.0, math.inf if z_cap is None else z_cap, 0, 0, 0, how == "killed")
     status, picks, obj, bound, nv, ni, nc = answer
     allocs = [Allocation(configs[mm][i], tuple(ns)) for (mm, i), ns in picks]
     return _CbcResult(status, allocs, obj, bound, nv, ni, nc)
@@ -468,9 +489,10 @@ def _lp_relaxation(configs, weights, cluster, threads, share_gpus):
 
 def _cbc_in_process(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start,
                     share_gpus) -> _CbcResult:
-    """The CBC run itself, with ``z`` capped by a known bound."""
-    B = _build(configs, weights, cluster, integer=True, z_cap=z_cap * (1 + 1e-9) + 1e-9, threads=threads,
-               share_gpus=share_gpus)
+    """The CBC run itself. A cap on ``z`` (a known bound) makes it a search for a plan at the
+    bound: quick to find one there, slow to prove there is none."""
+    cap = None if z_cap is None else z_cap * (1 + 1e-9) + 1e-9
+    B = _build(configs, weights, cluster, integer=True, z_cap=cap, threads=threads, share_gpus=share_gpus)
     m = B.model
     m.max_mip_gap = rel_gap
     m.max_mip_gap_abs = 1e-6
@@ -488,7 +510,7 @@ def _cbc_in_process(configs, weights, cluster, z_cap, time_limit_s, threads, rel
             if min(counts) > 0:
                 allocs.append(Allocation(c, counts))
         obj = _objective(allocs, weights) if allocs else 0.0
-    bound = float(m.objective_bound) if m.objective_bound is not None else z_cap
+    bound = float(m.objective_bound) if m.objective_bound is not None else (cap or math.inf)
     return _CbcResult(st.name.lower(), allocs, obj, bound, m.num_cols, m.num_int, m.num_rows)
 
 
