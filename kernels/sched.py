@@ -81,8 +81,11 @@ from .state import (
     KIND_UPLINK,
     MARGIN_WARM,
     OK,
+    OVERLOAD_EARLY,
+    OVERLOAD_RATE,
     POLICY_REACTIVE,
     RK,
+    ROOM_Q_BURST,
     ROOM_STEP,
     SH_ARATE,
     SH_N,
@@ -111,6 +114,7 @@ from .state import (
     X_M_PARD,
     X_M_PGAP,
     X_M_ROOM,
+    X_M_ROOM_B,
     X_M_SHARE,
     X_MODEL_PIPE0,
     X_OD_BS,
@@ -373,6 +377,46 @@ def _scan_pool(A, F, tb, pool, k, prev_s, t, T, L, nt, Tn, o_mg):
 Z99 = 2.3263
 
 
+@njit(cache=True, inline="always")
+def _overloaded(A, F, m, now):
+    """Whether model ``m``'s arrivals ran above ``OVERLOAD_RATE`` x its planned rate in its last
+    NIC-share window, or in the current one once ``OVERLOAD_EARLY`` of it has passed."""
+    gap = F[off(A, X_M_PGAP) + m]
+    if not gap < INF:
+        return True
+    o = off(A, X_M_SHARE) + m * SHARE_COLS
+    rate = F[o + SH_ARATE]
+    el = now - F[o + SH_W0]
+    if el >= OVERLOAD_EARLY * F[F_SHARE_WINDOW] * F[off(A, X_M_HOLD) + m]:
+        rate = max(rate, F[o + SH_NA] / el)
+    return rate * gap > OVERLOAD_RATE
+
+
+@njit(cache=True, inline="always")
+def _hot(A, F, m, now):
+    """Whether model ``m``'s reservations take the vGPUs' high-quantile margins: under pressure;
+    for a PARD model only while it is also overloaded. Why: in bursts within the planned rate,
+    PARD's drops already keep paths on time and the high margins only cost goodput (shared
+    plans, Gamma cv 1.5 / 2 at load 1.0: 0.941 / 0.901 of capacity with them, 0.951 / 0.916
+    with the low margins and the burst room); under sustained overload every table is booked
+    back to back and only the high margins keep the late share under 1 % (with the low ones
+    always: 4.2 % late at load 1.3)."""
+    if not F[off(A, X_Q_HBF) + m] > now:
+        return False
+    if A[H_PARD] == 0 or A[off(A, X_M_PARD) + m] == 0:
+        return True
+    return _overloaded(A, F, m, now)
+
+
+@njit(cache=True, inline="always")
+def _room(A, F, m, now):
+    """The room PARD model ``m`` books its deadlines ahead by under pressure: the learned room,
+    or while the model is not overloaded the burst room (a lower quantile of the same lateness)."""
+    if _overloaded(A, F, m, now):
+        return F[off(A, X_M_ROOM) + m]
+    return F[off(A, X_M_ROOM_B) + m]
+
+
 @njit(types.UniTuple(f8, 2)(I1, F1, i8, i8, f8, i8), cache=True)
 def probe(A, F, p, b, now, buf):
     """Walk pipeline ``p``'s pools at batch size ``b`` from ``now`` without reserving anything.
@@ -402,9 +446,9 @@ def probe(A, F, p, b, now, buf):
     npools = A[off(A, X_PIPE_NPOOLS) + p]
     A[H_CT_PROBES] += 1
     A[H_CALL_PROBES] += 1
-    # margins at the high quantile while the model is under pressure (see _ppipe_queue)
+    # margins at the high quantile while the model is under pressure (see _ppipe_queue, _hot)
     m = A[off(A, X_PIPE_MODEL) + p]
-    o_mg = off(A, X_V_MARGIN_HI) if F[off(A, X_Q_HBF) + m] > now else off(A, X_V_MARGIN)
+    o_mg = off(A, X_V_MARGIN_HI) if _hot(A, F, m, now) else off(A, X_V_MARGIN)
     t = now
     prev_s = -1
     busy = 0.0
@@ -709,7 +753,7 @@ def _hi_allowance(A, F, p, buf, now):
     """How much later the path in scratch ``buf`` would end with every hop at its vGPU's
     high-quantile margin instead of the margin the probe used (0 under pressure: it used it).
     A vGPU that has reported too few uses to know its quantile counts at ``F_MARGIN_PRIOR``."""
-    if F[off(A, X_Q_HBF) + A[off(A, X_PIPE_MODEL) + p]] > now:
+    if _hot(A, F, A[off(A, X_PIPE_MODEL) + p], now):
         return 0.0
     K = A[H_K]
     o_vg = off(A, X_PR_VG) + buf * K
@@ -784,7 +828,7 @@ def _ppipe_queue(A, F, m, now):
         # much later than booked its paths end, at a high quantile): the tables are then full
         # only that far ahead, and the overruns that cascade through back-to-back bookings end
         # in the room instead of past the deadlines
-        shift = F[off(A, X_M_ROOM) + m] if pard and F[o_hbf + m] > now else 0.0
+        shift = _room(A, F, m, now) if pard and F[o_hbf + m] > now else 0.0
         if shift > 0.0 and F[off(A, X_M_HI_UNTIL) + m] > now:
             # the low class already leaves its class room; the two rooms do not add up
             shift = max(shift - F[F_CLASS_ROOM] * F[off(A, X_M_HOLD) + m], 0.0)
@@ -1245,11 +1289,10 @@ def _learn_room(A, F, v, h, b):
     F[off(A, X_V_RFIN) + j] = -INF  # learned once per path
     m = A[off(A, X_PIPE_MODEL) + A[off(A, X_POOL_PIPE) + A[off(A, X_V_POOL) + v]]]
     slo = F[off(A, X_M_HOLD) + m]
-    o = off(A, X_M_ROOM) + m
-    q = F[F_ROOM_Q]
-    x = F[o]
-    x += ROOM_STEP * slo * (q if b - fin > x else q - 1.0)
-    F[o] = min(max(x, 0.0), F[F_PRESSURE_ROOM] * slo)
+    for o, q in ((off(A, X_M_ROOM) + m, F[F_ROOM_Q]), (off(A, X_M_ROOM_B) + m, ROOM_Q_BURST)):
+        x = F[o]
+        x += ROOM_STEP * slo * (q if b - fin > x else q - 1.0)
+        F[o] = min(max(x, 0.0), F[F_PRESSURE_ROOM] * slo)
 
 
 @njit(i8(I1, F1, i8, f8, f8), cache=True)
@@ -1406,7 +1449,7 @@ def stage_estimate(A, F, m, n, now):
     q = A[o_qs + m] + A[o_qs + _hiq(A, m)]
     if A[H_PARD] != 0 and A[off(A, X_M_PARD) + m] != 0 and F[off(A, X_Q_HBF) + m] > now:
         # under pressure PARD books m's requests its room ahead of their deadlines
-        best += F[off(A, X_M_ROOM) + m]
+        best += _room(A, F, m, now)
     return best + q * gap
 
 

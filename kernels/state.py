@@ -217,6 +217,7 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("m_pard", "i", ("M",)),
     ("m_share", "f", ("M", "SHARE")),
     ("m_near", "i", ("M", "M")),  # 1 where two models have vGPUs on a common server (share its NIC)  # window start, requests dispatched in it, last window's rate, tokens, tokens' time
+    ("m_room_b", "f", ("M",)),
 )
 # section indices, in SECTIONS order (tests check they agree)
 X_V_SERVER = 0
@@ -311,12 +312,16 @@ X_M_PGAP = 87  # per model: the arrival gap at its planned rate
 X_M_PARD = 88  # per model: 1 where PARD's proactive drops and high-budget-first apply (H_PARD set)
 X_M_SHARE = 89
 X_M_NEAR = 90
+X_M_ROOM_B = 91  # per model: the room for bursts within the planned rate, a lower quantile (ROOM_Q_BURST)
 SH_W0, SH_N, SH_RATE, SH_TOK, SH_T, SH_NA, SH_ARATE = 0, 1, 2, 3, 4, 5, 6
 SHARE_COLS = 7
 SHARE_OVER = 1.02  # a capped model may dispatch this much more than its planned rate
 SHARE_SHORT = 0.97  # a model under pressure is short below this share of its planned rate
 SHARE_BURST = 0.5  # holds of planned arrivals a capped model's bucket holds
 ROOM_STEP = 0.01  # learning step of the room, as a share of the SLO
+ROOM_Q_BURST = 0.95  # the quantile of the burst room (X_M_ROOM_B)
+OVERLOAD_RATE = 1.15  # PARD: a model is overloaded while arrivals run above this x its planned rate
+OVERLOAD_EARLY = 0.5  # share of a window after which its running count may show an overload
 RK = 16
 MARGIN_WARM = 32
 

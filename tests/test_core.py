@@ -528,7 +528,9 @@ def test_the_room_learns_how_late_paths_end(q):
     s = Scheduler(plan, profs, "pard", **({} if q is None else {"room_quantile": q}))
     q = 0.995 if q is None else q
     room = s._arena.view("m_room")
+    burst = s._arena.view("m_room_b")
     assert room[0] == pytest.approx(100.0)  # half the most (0.2 SLO) to start with
+    assert burst[0] == pytest.approx(100.0)
     for i, late in enumerate([300.0, 300.0, 0.0]):
         t = 1000.0 * i
         s.submit(i, 0, t, t + 900.0)
@@ -537,11 +539,45 @@ def test_the_room_learns_how_late_paths_end(q):
         first, last = sorted((r for r in d.reservations if r.kind == "infer"), key=lambda r: r.hop)
         s.report(first.handle, first.start_us, first.end_us)  # not a last hop: no change
         assert room[0] == before
+        before_b = burst[0]
         s.report(last.handle, last.start_us, last.end_us + late)
         if late:  # ended later than booked by more than the room
             assert room[0] == pytest.approx(before + 10.0 * q)
+            assert burst[0] == pytest.approx(before_b + 10.0 * 0.95)  # the burst room: at 0.95
         else:
             assert room[0] == pytest.approx(before - 10.0 * (1 - q))
+            assert burst[0] == pytest.approx(before_b - 10.0 * 0.05)
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_pard_books_the_burst_room_within_the_planned_rate_and_the_learned_one_above_it(factor):
+    """Under pressure PARD books ahead by a room; while arrivals stay within the planned rate it
+    is the burst room (a lower quantile), once they run over 1.15 x that rate the learned one."""
+    plan, profs = _one_pool_case(nv=1, bs=1, slo=1000.0)
+    s = Scheduler(plan, profs, "pard", margin_step=0.0, margin_prior=1.0)
+    s._arena.view("m_room")[:] = 200.0
+    s._arena.view("m_room_b")[:] = 50.0
+    gap = 100.0 / factor  # the plan's rate is one request per 100 µs
+    t = 0.0
+    for i in range(int(250 * factor)):  # 25 ms: past the first 20-SLO count window at the plan's
+        # rate; past half of it at twice the rate
+        t = i * gap
+        s.submit(i, 0, t, t + 1000.0)
+        s.decide(t)
+    s.submit(10**6, 0, t, t)  # cannot be served: a drop, so the model is under pressure
+    assert s.decide(t).drops()
+    # the estimate is the path's (behind the queue) plus the room
+    room = s.stage_estimate_us(0, t) - _estimate_without_room(s, t)
+    assert room == pytest.approx(200.0 if factor > 1.15 else 50.0)
+
+
+def _estimate_without_room(s, t):
+    saved = s._arena.view("q_hbf").copy()
+    s._arena.view("q_hbf")[:] = -np.inf
+    try:
+        return s.stage_estimate_us(0, t)
+    finally:
+        s._arena.view("q_hbf")[:] = saved
 
 
 def test_reactive_ignores_the_priority_class():

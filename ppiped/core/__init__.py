@@ -121,7 +121,10 @@ Policies (``POLICIES``; a :class:`Policy` is knobs of the one algorithm, not a c
   (high-budget-first, the DEPQ's max end), then earliest-deadline order returns. Under pressure
   it books against the deadline less the model's *room*: the ``room_quantile`` quantile of
   how much later than booked its paths' last hops end, learned from reports within
-  [0, ``pressure_room`` x SLO] (starting at half of it).
+  [0, ``pressure_room`` x SLO] (starting at half of it), and takes the vGPUs' high-quantile
+  margins, but only while the model is *overloaded* (arrivals over 1.15 x its planned rate in
+  its last or current count window); in bursts within the planned rate it keeps the low
+  margins and a second room learned at the 0.95 quantile.
 
 Speed: a decision is one compiled call; its Python wrapper returns preallocated arrays. The
 simulator may call the ``ppiped.kernels.sched`` entry points directly from compiled code

@@ -137,6 +137,7 @@ class RefScheduler:
         self.share_window = share_window
         # per model, the learned room kept free of bookings under pressure (µs)
         self.proom = [0.5 * pressure_room * float(x) for x in layout.slo_us]
+        self.proom_b = list(self.proom)  # and the burst room, at S.ROOM_Q_BURST
         # per model, the NIC share's state: [window start, dispatched in it, last window's
         # dispatch rate, tokens, tokens' time, arrivals in it, last window's arrival rate]
         planned = [1.0 / g for g in self.pgap]
@@ -191,7 +192,7 @@ class RefScheduler:
         profiled L)]."""
         L = self.L
         t, prev_s, busy, hops = now, -1, 0.0, []
-        hi = int(self.hbf_until[int(L.pipe_model[p])] > now)
+        hi = int(self._hot(int(L.pipe_model[p]), now))
         var = 0.0
         tent: list[tuple[int, float, float]] = []
         for k in range(int(L.pipe_npools[p])):
@@ -269,7 +270,7 @@ class RefScheduler:
                 self.share_holds += 1
                 return max(now + (1.0 - self.share[m][3]) * self.pgap[m] / S.SHARE_OVER, now + 1.0)
             best = None
-            shift = self.proom[m] if self.pard[m] and self.hbf_until[m] > now else 0.0
+            shift = self._room(m, now) if self.pard[m] and self.hbf_until[m] > now else 0.0
             if shift > 0 and self.hi_until[m] > now:
                 shift = max(shift - self.room * float(self.L.slo_us[m]), 0.0)
             dh = q[0].deadline - shift
@@ -329,7 +330,7 @@ class RefScheduler:
                 if fn <= dh:
                     # wait only while more requests are expected, and leave the room the
                     # high-quantile margins would take
-                    extra = 0.0 if self.hbf_until[m] > now else sum(
+                    extra = 0.0 if self._hot(m, now) else sum(
                         (self._hi(h[0]) - self.margin[h[0]][0]) * h[5] for h in hn)
                     slack = dh - fn - 2.0 * extra - self.guard
                     if slack >= self.min_wait and slack >= self.gap[m] and self._worth_waiting(m, p, n, chosen):
@@ -371,6 +372,26 @@ class RefScheduler:
             burst = S.SHARE_BURST * slo / self.pgap[m]
             sh[3] = min(sh[3] + (now - sh[4]) * S.SHARE_OVER / self.pgap[m], max(burst, 1.0))
         sh[4] = now
+
+    def _overloaded(self, m: int, now: float) -> bool:
+        """Arrivals above S.OVERLOAD_RATE x the planned rate in the last share window, or in the
+        current one once S.OVERLOAD_EARLY of it has passed."""
+        if not self.pgap[m] < INF:
+            return True
+        sh = self.share[m]
+        rate, el = sh[6], now - sh[0]
+        if el >= S.OVERLOAD_EARLY * self.share_window * float(self.L.slo_us[m]):
+            rate = max(rate, sh[5] / el)
+        return rate * self.pgap[m] > S.OVERLOAD_RATE
+
+    def _hot(self, m: int, now: float) -> bool:
+        """High-quantile margins: under pressure; for a PARD model only while also overloaded."""
+        if not self.hbf_until[m] > now:
+            return False
+        return not self.pard[m] or self._overloaded(m, now)
+
+    def _room(self, m: int, now: float) -> float:
+        return self.proom[m] if self._overloaded(m, now) else self.proom_b[m]
 
     def _share_capped(self, m: int, now: float) -> bool:
         """PARD holds model m to its planned rate while a model sharing a server with it is
@@ -472,9 +493,10 @@ class RefScheduler:
             if fin > -INF:  # the last hop of its path: the room learns how late paths end
                 self.recent[v][(h >> 20) % 16] = (hh, prof, -INF)
                 mi = int(self.L.v_model[v])
-                slo, r, q = float(self.L.slo_us[mi]), self.proom[mi], self.room_q
-                r += 0.01 * slo * (q if end - fin > r else q - 1.0)
-                self.proom[mi] = min(max(r, 0.0), self.proom_max * slo)
+                slo = float(self.L.slo_us[mi])
+                for rooms, q in ((self.proom, self.room_q), (self.proom_b, S.ROOM_Q_BURST)):
+                    r = rooms[mi] + 0.01 * slo * (q if end - fin > rooms[mi] else q - 1.0)
+                    rooms[mi] = min(max(r, 0.0), self.proom_max * slo)
 
     def set_alive(self, v: int, alive: bool) -> None:
         if self.alive[v] == alive:

@@ -248,6 +248,7 @@ class Scheduler:
         a.view("q_hbf")[:] = -np.inf
         a.view("v_rfin")[:] = -np.inf
         a.view("m_room")[:] = 0.5 * pressure_room * lay.slo_us
+        a.view("m_room_b")[:] = 0.5 * pressure_room * lay.slo_us
         a.view("m_hold")[:] = lay.slo_us
         a.A[S.H_PARD] = int(policy.pard)
         a.view("m_pard")[:] = [int(m not in self.pard_exempt) for m in lay.models]
