@@ -202,9 +202,9 @@ def solve_allocation(
     configurations, for a good incumbent quickly; the Lagrangian bound with PPipe's per-model
     whole-GPU rounding (:mod:`.lagrange`), which closes most of what is left when several GPU
     types bind; and the full MILP, warm-started from the incumbent, with ``z`` free (with time
-    to spare, capped at the bound first), until ``time_limit_s``. The knapsack bound is usually the optimum, so most instances
-    end without the full MILP; where it is not, the status is "feasible" and the gap is
-    measured against the best bound found.
+    to spare, capped at the bound first), until ``time_limit_s``. The knapsack bound is usually
+    the optimum, so most instances end without the full MILP; where it is not, the status is
+    "feasible" and the gap is measured against the best bound found.
     """
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
