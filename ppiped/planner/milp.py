@@ -254,10 +254,11 @@ def solve_allocation(
             stats = S.full(_CAPPED_SHARE * left, capped=True)
         if not S.done() and time.perf_counter() < deadline - _DEADLINE_MARGIN_S:
             stats = S.full(max(0.1, deadline - time.perf_counter() - _DEADLINE_MARGIN_S), capped=False)
-        if S.phases.get("full_status") == "optimal" or S.phases.get("full_capped_status") == "optimal":
-            status = "optimal"
+    cbc_proved = "optimal" in (S.phases.get("full_status"), S.phases.get("full_capped_status"))
+    if cbc_proved:
+        status = "optimal"
     if not S.best:
-        proven = "optimal" in (S.phases.get("full_status"), S.phases.get("full_capped_status")) or S.bound <= 1e-9
+        proven = cbc_proved or S.bound <= 1e-9
         raise NoSolution(f"no feasible allocation found in {time.perf_counter() - t0:.1f} s", proven)
     if S.done():
         status = "optimal"
