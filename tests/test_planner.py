@@ -167,6 +167,22 @@ def test_pruning_and_knapsack_bound_keep_the_optimum():
         assert knapsack_bound(pruned, weights, cl, prices, 2 * a.objective).bound >= a.objective * (1 - 1e-9)
 
 
+def test_the_knapsack_bound_holds_when_prices_are_thousands_of_times_apart():
+    """An instance cheaper than one budget unit is not charged a whole one: here A's GPUs cost
+    a millionth of B's, so a unit (a 40,000th of the budget) is worth 25 of A's GPUs. Charged
+    one unit, "alpha"'s cost read 25 times what its four GPUs cost, and the Lagrangian bound,
+    which takes that cost as a floor, could cut off the optimum (a regression)."""
+    cl = cluster_from_json({"nic_gbps": 10, "gpus": {"A": {"count": 4}, "B": {"count": 4}}})
+    configs = {"alpha": [PipelineConfig("alpha", 1, (Segment(0, 1, "A", 1, 1.0, 0.0, 100.0),), 1.0)],
+               "beta": [PipelineConfig("beta", 1, (Segment(0, 1, "B", 1, 1.0, 0.0, 100.0),), 1.0)]}
+    weights = {"alpha": 1.0, "beta": 1.0}
+    _, info = solve_allocation(configs, weights, cl, time_limit_s=10)
+    assert info.status == "optimal" and info.objective == pytest.approx(400.0)
+    kb = knapsack_bound(configs, weights, cl, {"A": 1e-6, "B": 1.0}, 800.0)
+    assert kb.bound >= 400.0 * (1 - 1e-9)
+    assert kb.money_for("alpha", 400.0) <= 4e-6
+
+
 def test_tied_pairs_are_bounded_by_their_slowest_partition():
     """A DART-r pair runs at its slow partition's rate, so its count may exceed what the fast
     partition alone would need (a regression: the bound once used the fast one)."""

@@ -210,12 +210,16 @@ def knapsack_tables(instances: dict[str, Instances], prices: Prices, unit: float
 
 def _items(inst: Instances, prices: Prices, unit: float):
     """The instances worth buying at ``prices``: costs (units ≥ 1), throughputs, what they are;
-    and the configurations that cost nothing at these prices (bounded apart)."""
+    and the configurations with an instance that costs less than a unit at these prices
+    (bounded apart, as free)."""
     pv = np.array([_price(prices, g, d) for g, d in inst.pools])
     money = inst.gpus @ pv
-    paid = money > 0
+    # An instance cheaper than one unit counts as free: charging it a whole unit would put the
+    # table above what it really costs (only with prices thousands of times apart, where the
+    # unit is set by the budget), and the bound and money_for must stay below it.
+    paid = money >= unit * (1 - 1e-9)
     free_cfg = sorted(set(inst.config[~paid].tolist()))
-    cost = np.maximum(1, np.floor(money[paid] / unit + 1e-9).astype(np.int64))
+    cost = np.floor(money[paid] / unit + 1e-9).astype(np.int64)
     gain = inst.gain[paid]
     rows = np.flatnonzero(paid)
     # Per cost keep the best gain, and drop items a cheaper item beats; sorted by cost.
