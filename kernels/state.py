@@ -215,8 +215,8 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("m_room", "f", ("M",)),
     ("m_pgap", "f", ("M",)),
     ("m_pard", "i", ("M",)),
-    ("m_share", "f", ("M", "SHARE")),
-    ("m_near", "i", ("M", "M")),  # 1 where two models have vGPUs on a common server (share its NIC)  # window start, requests dispatched in it, last window's rate, tokens, tokens' time
+    ("m_share", "f", ("M", "SHARE")),  # the SH_* columns: window, counts, rates, tokens
+    ("m_near", "i", ("M", "M")),  # 1 where two models have vGPUs on a common server (share its NIC)
     ("m_room_b", "f", ("M",)),
 )
 # section indices, in SECTIONS order (tests check they agree)

@@ -240,7 +240,6 @@ def solve_allocation(
     if not S.done() and not share_gpus:
         S.lagrange(time.perf_counter() + _LAGRANGE_SHARE * (deadline - time.perf_counter()))
         S.lap("lagrange")
-    status = "optimal" if S.done() else "feasible"
     stats = (0, 0, 0)
     if not S.done() and time.perf_counter() < deadline:
         # The full MILP with z free: under a cap the optimum does not attain, every node's LP
@@ -255,13 +254,10 @@ def solve_allocation(
         if not S.done() and time.perf_counter() < deadline - _DEADLINE_MARGIN_S:
             stats = S.full(max(0.1, deadline - time.perf_counter() - _DEADLINE_MARGIN_S), capped=False)
     cbc_proved = "optimal" in (S.phases.get("full_status"), S.phases.get("full_capped_status"))
-    if cbc_proved:
-        status = "optimal"
     if not S.best:
         proven = cbc_proved or S.bound <= 1e-9
         raise NoSolution(f"no feasible allocation found in {time.perf_counter() - t0:.1f} s", proven)
-    if S.done():
-        status = "optimal"
+    status = "optimal" if cbc_proved or S.done() else "feasible"
     solve_s = time.perf_counter() - t0
     allocs = [Allocation(a.config, _trim(a.config, a.vgpus)) for a in S.best if min(a.vgpus) > 0]
     info = SolveInfo(
