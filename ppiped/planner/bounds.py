@@ -217,7 +217,7 @@ def _items(inst: Instances, prices: Prices, unit: float):
     # An instance cheaper than one unit counts as free: charging it a whole unit would put the
     # table above what it really costs (only with prices thousands of times apart, where the
     # unit is set by the budget), and the bound and money_for must stay below it.
-    paid = money >= unit * (1 - 1e-9)
+    paid = money >= unit  # so that every paid instance's floored cost is at least one unit
     free_cfg = sorted(set(inst.config[~paid].tolist()))
     cost = np.floor(money[paid] / unit + 1e-9).astype(np.int64)
     gain = inst.gain[paid]
