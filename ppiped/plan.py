@@ -29,6 +29,25 @@ PLAN_FORMAT = "ppiped-plan/1"
 # Relative and absolute slack for comparing recomputed floats with stated ones.
 REL_TOL = 1e-6
 ABS_TOL_US = 1.0
+WEIGHT_MIN, WEIGHT_MAX, WEIGHT_MAX_RATIO = 1e-6, 1e6, 1e6
+"""Load weights are relative shares; the MILP's objective is throughput / weight, and CBC's
+tolerances (~1e-9) make plans wrong (1e9) or crash its child (1e300) far outside this range."""
+
+
+def check_weights(weights: Any, models: list[str]) -> list[float]:
+    """``weights`` as floats, one per model in [WEIGHT_MIN, WEIGHT_MAX] and at most
+    WEIGHT_MAX_RATIO apart; raises :class:`~ppiped.errors.InputError` naming what is wrong."""
+    from .errors import InputError
+
+    if not isinstance(weights, (list, tuple)) or len(weights) != len(models):
+        raise InputError(f"weights: expected {len(models)} (one per model: {', '.join(models)}), got {weights!r}")
+    bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, numbers.Real)
+           or not WEIGHT_MIN <= w <= WEIGHT_MAX]
+    if bad:
+        raise InputError(f"weights: expected numbers in [{WEIGHT_MIN:g}, {WEIGHT_MAX:g}], got {bad[0]!r}")
+    if max(weights) > WEIGHT_MAX_RATIO * min(weights):
+        raise InputError(f"weights {list(weights)}: the largest is more than {WEIGHT_MAX_RATIO:g} x the smallest")
+    return [float(w) for w in weights]
 
 
 class PlanError(ValueError):

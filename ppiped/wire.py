@@ -104,6 +104,8 @@ class ProtocolError(ValueError):
 UInt = Annotated[int, msgspec.Meta(ge=0)]
 UInts = list[UInt]
 Ints = list[int]
+CLOCK_LIMIT = 1 << 62  # µs (146,000 years): a clock past it is no clock, and offsets added to it stay int64
+Clock = Annotated[int, msgspec.Meta(ge=0, lt=CLOCK_LIMIT)]
 
 
 class Message(msgspec.Struct, array_like=True):
@@ -178,7 +180,7 @@ class Register(Message):
     data_endpoint: str
     backend: str
     pid: UInt
-    clock_us: int
+    clock_us: Clock
     incarnation: UInt
 
 
@@ -197,7 +199,7 @@ class Peers(Message):
 
 
 class Heartbeat(Message):
-    clock_us: int
+    clock_us: Clock
     queued: UInt
 
 
@@ -279,6 +281,10 @@ def _int(x: Any) -> bool:
     return type(x) is int
 
 
+def _clock(x: Any) -> bool:
+    return type(x) is int and 0 <= x < CLOCK_LIMIT
+
+
 def _str(x: Any) -> bool:
     return type(x) is str
 
@@ -308,7 +314,7 @@ def _any(x: Any) -> bool:
 
 
 _CHECKS: dict[Any, tuple[Callable[[Any], bool], str]] = {
-    UInt: (_uint, "unsigned int"), int: (_int, "int"), str: (_str, "string"),
+    UInt: (_uint, "unsigned int"), int: (_int, "int"), Clock: (_clock, "a clock in µs below 2^62"), str: (_str, "string"),
     bytes: (_bytes, "bytes"), UInts: (_uints, "list of unsigned ints"), Ints: (_ints, "list of ints"), list: (_list, "list"),
     dict: (_dict, "map"), Any: (_any, "any")}
 
@@ -345,7 +351,7 @@ def decode(frame: Any) -> Message:
         if fast is not None and 0x92 <= buf[0] <= fast[1]:
             try:
                 return fast[0].decode(buf)
-            except (msgspec.MsgspecError, RecursionError):
+            except (msgspec.MsgspecError, RecursionError, UnicodeDecodeError):
                 pass
     return _decode_checked(buf)
 
@@ -355,6 +361,8 @@ def _decode_checked(buf: Any) -> Message:
     is wrong with one."""
     try:
         h = _any_decoder.decode(buf)
+    except UnicodeDecodeError as e:
+        raise ProtocolError(MALFORMED, f"header holds a string that is not UTF-8 (byte {e.start})") from None
     except Exception as e:  # msgspec raises several types for bad input (RecursionError, ...)
         raise ProtocolError(MALFORMED, f"header is not msgpack: {type(e).__name__}") from None
     if type(h) is not list or len(h) < 2:

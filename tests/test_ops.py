@@ -285,6 +285,13 @@ def test_replan_rejects_bad_weights(ops, capsys):
     assert ctl.main(["--socket", ops.sock, "replan", "--weights", "tiny=1,nosuch=2", "--dry-run"]) == 1
     assert "unknown model" in capsys.readouterr().err
     assert ctl.main(["--socket", ops.sock, "replan", "--weights", "tiny"]) == 2
+    # raw requests, as any process that can open the socket may send them: each refused by name
+    for weights, text in (([1, 2, 3], "expected 2 (one per model: tiny, tiny2)"),
+                          ([1e308, 1], "expected numbers in [1e-06, 1e+06], got 1e+308"),
+                          ({"tiny": True, "tiny2": 1}, "got True"), ([1, "2"], "got '2'"),
+                          ([1e6, 0.5], "more than 1e+06 x the smallest")):
+        out = ctl.call(ops.sock, {"cmd": "replan", "weights": weights, "dry_run": True})
+        assert not out["ok"] and text in out["error"], (weights, out)
 
 
 def test_replan_refuses_a_broken_plan_file_and_keeps_serving(ops):

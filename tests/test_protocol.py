@@ -21,7 +21,7 @@ def test_every_constructor_round_trips():
     msgs = [
         wire.submit("m", 0, [1, 2]), wire.reply([1], Status.OK, "", [["<f4", [10], "y"]]),
         wire.error("x", "y"), wire.ping(5), wire.pong(5, {"a": 1}),
-        wire.register([0, 1], "ipc:///tmp/x", "emulate", 42, -5, 7), wire.welcome([a.to_wire()], 100),
+        wire.register([0, 1], "ipc:///tmp/x", "emulate", 42, 5, 7), wire.welcome([a.to_wire()], 100),
         wire.peers({0: "ipc://a", 1: "ipc://b"}), wire.heartbeat(123, 0),
         wire.dispatch(9, [0, 3], [10, 20], [1, 2]), wire.forward(9, [0, 3], [10, 20], 1, [1, 2], None),
         wire.result(9, [1], None, [2, "bad-input: short"]), wire.feedback([0, 9, 0, 1, 2, 3]),
@@ -51,6 +51,17 @@ def test_every_constructor_round_trips():
     (msgpack.packb([1, T.SUBMIT, "m", 0, [1, True]]), wire.MALFORMED, "SUBMIT.ids"),
     (msgpack.packb([1, T.DISPATCH, 1, [0], [1.5], [1]]), wire.MALFORMED, "DISPATCH.starts"),
     (msgpack.packb([1, T.FEEDBACK, "x"]), wire.MALFORMED, "FEEDBACK.entries"),
+    # strings that are not UTF-8, on either decoding path (msgspec raised UnicodeDecodeError past
+    # every reader: the sender got no answer)
+    (msgpack.packb([1, T.SUBMIT, "m", 0, [1]]).replace(b"\xa1m", b"\xa1\xff"), wire.MALFORMED, "not UTF-8"),
+    (msgpack.packb([1, T.REGISTER, [0], "ab", "emulate", 1, 0, 1]).replace(b"\xa2ab", b"\xa2\xc3("),
+     wire.MALFORMED, "not UTF-8"),
+    (msgpack.packb([1, T.ERROR, "c", "m"], use_bin_type=True).replace(b"\xa1c", b"\xa1\x80"), wire.MALFORMED,
+     "not UTF-8"),
+    # an executor's clock past 2^62 µs (2^64 - 1 once overflowed every DISPATCH through its vGPUs)
+    (msgpack.packb([1, T.HEARTBEAT, 2**64 - 1, 0]), wire.MALFORMED, "HEARTBEAT.clock_us"),
+    (msgpack.packb([1, T.HEARTBEAT, -5, 0]), wire.MALFORMED, "HEARTBEAT.clock_us"),
+    (msgpack.packb([1, T.REGISTER, [0], "ipc://a", "emulate", 1, 2**62, 1]), wire.MALFORMED, "REGISTER.clock_us"),
 ])
 def test_malformed_headers_raise_typed_errors(raw, code, text):
     with pytest.raises(ProtocolError) as e:

@@ -35,11 +35,12 @@ class Rig:
     """A Server with inproc sockets, a client and an executor peer, and a clock that only moves
     when told to (so two runs of one script are the same to the microsecond)."""
 
-    def __init__(self, d: Path, monkeypatch: pytest.MonkeyPatch, extra: str = "") -> None:
+    def __init__(self, d: Path, monkeypatch: pytest.MonkeyPatch, extra: str = "",
+                 block_us: tuple[float, float] = (50.0, 80.0), slo_ms: float = 20.0) -> None:
         self.t = 1_000_000
         monkeypatch.setattr(S, "now_us", lambda: self.t)
-        prof = tiny.profile_json(block_us=(50.0, 80.0), max_bs=4)
-        plan, profiles = tiny.write_example(d, prof, vgpus=(2, 2), bs=4, slo_ms=20.0)
+        prof = tiny.profile_json(block_us=block_us, max_bs=4)
+        plan, profiles = tiny.write_example(d, prof, vgpus=(2, 2), bs=4, slo_ms=slo_ms)
         cfg = load_config(write_config(d, plan, profiles, extra=extra))
         srv = self.srv = S.Server(cfg, *load_serving(cfg))
         self.ctx = ctx = zmq.Context()
@@ -164,3 +165,61 @@ def test_feedback_reports_one_by_one_equal_one_report_many(tmp_path, monkeypatch
     assert sum(1 for h in one[0] if h.type == T.DISPATCH) >= 3
     assert np.array_equal(one[1], many[1])
     assert one[2] == many[2] and sum(one[2]) > 0
+
+
+def test_a_dispatch_that_cannot_be_sent_loses_no_request(tmp_path, monkeypatch):
+    """A DISPATCH header that cannot be encoded (an int past 64 bits once came from an executor's
+    clock) voids that batch and requeues its requests; the batches of the same decision are still
+    booked and sent, and every request is in flight or answered."""
+    rig = Rig(tmp_path, monkeypatch)
+    real = wire.dispatch
+    calls = itertools.count()
+
+    def first_fails(*args):
+        if next(calls) == 0:
+            raise OverflowError("can't serialize ints > 2**64 - 1")
+        return real(*args)
+
+    monkeypatch.setattr(wire, "dispatch", first_fails)
+    try:
+        srv = rig.srv
+        for k in range(4):
+            rig.submit([b"x"] * 4, 100 * k)
+        rig.t += 20_000
+        srv.decide(rig.t)
+        sent = [wire.decode(m[0]) for m in rig.drain(rig.ex)]
+        lost = [b for b in srv.batches.values() if b.answered]
+        assert len(lost) == 1 and srv.counters["batches_lost"] == 1 and srv.counters["retried"] >= 1
+        assert {h.batch for h in sent if h.type == T.DISPATCH} == {b.id for b in srv.batches.values()
+                                                                  if not b.answered}
+        answered = [i for m in rig.drain(rig.cl) for i in wire.decode(m[0]).ids]
+        in_flight = {r.cid for b in srv.batches.values() if not b.answered for r in b.reqs.values()}
+        assert sorted([*in_flight, *answered]) == sorted(100 * k + i for k in range(4) for i in range(4))
+    finally:
+        rig.close()
+
+
+def test_a_long_batch_is_given_its_length_before_it_is_lost(tmp_path, monkeypatch):
+    """A batch reserved for about a second that runs 0.25 s over on a loaded host (past the fixed
+    result_grace_ms of 0.2 s) is still waited for; one silent for its reserved length past its end
+    is lost, and its requests go back to the queue."""
+    rig = Rig(tmp_path, monkeypatch, block_us=(280_000.0, 320_000.0), slo_ms=5_000.0)
+    try:
+        srv = rig.srv
+        srv.replanner.maybe_auto = lambda: None
+        rig.submit([b"x"] * 4, 0)
+        rig.t += 4_000_000
+        srv.decide(rig.t)
+        rig.drain(rig.ex)
+        (b,) = srv.batches.values()
+        assert 1_000_000 <= b.span <= 1_100_000
+        rig.t = int(b.finish) + 250_000
+        rig.to_server(wire.heartbeat(rig.t, 0))  # the executor is alive, the batch just slow
+        srv.housekeeping()
+        assert not b.answered and srv.counters["batches_lost"] == 0
+        rig.t = int(b.finish + b.span) + 1
+        rig.to_server(wire.heartbeat(rig.t, 0))
+        srv.housekeeping()
+        assert b.answered and srv.counters["batches_lost"] == 1
+    finally:
+        rig.close()

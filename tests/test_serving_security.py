@@ -176,6 +176,53 @@ def test_bad_endpoints_and_malformed_results_are_refused(cluster):
     assert "Traceback" not in log
 
 
+def test_an_absurd_executor_clock_loses_no_request(tmp_path):
+    """A peer holding two of the plan's vGPUs heartbeats, every other time with a clock near
+    2^64 µs. That clock once became the executor's offset, the DISPATCH built on it could not be
+    encoded, and every request of that decision went unanswered. Now the absurd heartbeats are
+    refused as malformed; every request is answered, the ones on the healthy vGPUs served."""
+    with short_tmpdir("ppiped-clk-") as d, tiny_cluster(Path(d), ((0, 2),)) as c:
+        cfg = load_config(c.config)
+        imp = Impostor(cfg.executor)
+        stop = threading.Event()
+        try:
+            assert imp.register([1, 3], f"ipc://{tmp_path}/clock.sock").type == T.WELCOME
+
+            def beat():
+                while not stop.is_set():
+                    imp.sock.send(wire.heartbeat(time.monotonic_ns() // 1000, 0))
+                    imp.sock.send(wire.heartbeat(2**64 - 1, 0))
+                    time.sleep(0.05)
+
+            th = threading.Thread(target=beat, daemon=True)
+            th.start()
+            time.sleep(0.3)
+            assert c.status()["vgpus"]["alive"] == 4  # the peer's two vGPUs are in service
+            with Client(c.client_endpoint, timeout_s=10) as cl:
+                out = [r for _ in range(10) for r in cl.submit_many("tiny", [b"x"] * 3, slo_ms=500)]
+            assert len(out) == 30
+            assert sum(1 for r in out if not isinstance(r, (Dropped, Rejected))) >= 1
+            assert c.status()["counters"]["exec_malformed"] >= 1
+        finally:
+            stop.set()
+            imp.close()
+        assert "Traceback" not in c.tail("serve.log", 4000)
+
+
+def test_stopping_with_a_ctl_connection_open_logs_no_crash():
+    """An operator's idle ppiped-ctl connection at shutdown: its handler is cancelled, and the
+    daemon stops without a traceback (Python 3.11's stream callback once logged the cancellation
+    as an exception)."""
+    with short_tmpdir("ppiped-ctlstop-") as d:
+        with tiny_cluster(Path(d), ((0, 2), (1, 3))) as c:
+            idle = socket.socket(socket.AF_UNIX)
+            idle.connect(load_config(c.config).ctl_socket_path())
+            assert c.status()["vgpus"]["alive"] == 4  # the daemon has taken the connection
+        idle.close()
+        log = c.tail("serve.log", 4000)
+        assert "stopped" in log and "Traceback" not in log
+
+
 def test_empty_submit_is_answered(cluster):
     c, _ = cluster
     ctx = zmq.Context()

@@ -21,7 +21,8 @@ from ppiped.wire import ProtocolError, T
 
 # name:kind per field, as the wire had them before the structs. u: unsigned int, i: int,
 # s: string, b: bytes, U: list of unsigned ints, I: list of ints, l: list, d: map, a: anything
-# (WELCOME.data_key and FORWARD.key came later, as optional trailing fields)
+# (WELCOME.data_key and FORWARD.key came later, as optional trailing fields; c: an executor's
+# clock, 0 <= x < 2^62 µs, came later too: a clock near 2^64 overflowed the DISPATCHes built on it)
 OLD_SCHEMA = {
     T.SUBMIT: "model:s slo_us:u ids:U priority:u sent_us:u",
     T.REPLY: "ids:U status:u reason:s meta:a",
@@ -30,10 +31,10 @@ OLD_SCHEMA = {
     T.PONG: "token:a info:d",
     T.QUERY: "app:s slo_us:u qid:u stages:u priority:u sent_us:u",
     T.ANSWER: "qid:u status:u reason:s stage:s detail:s outputs:l",
-    T.REGISTER: "vgpus:U data_endpoint:s backend:s pid:u clock_us:i incarnation:u",
+    T.REGISTER: "vgpus:U data_endpoint:s backend:s pid:u clock_us:c incarnation:u",
     T.WELCOME: "assignments:l heartbeat_ms:u data_key:b",
     T.PEERS: "directory:l",
-    T.HEARTBEAT: "clock_us:i queued:u",
+    T.HEARTBEAT: "clock_us:c queued:u",
     T.DISPATCH: "batch:u path:U starts:I ids:U",
     T.FORWARD: "batch:u path:U starts:I hop:u ids:U meta:a key:b",
     T.RESULT: "batch:u ids:U meta:a failed:l feedback:I",
@@ -51,6 +52,7 @@ FIELDS = {t: [f.split(":") for f in spec.split()] for t, spec in OLD_SCHEMA.item
 _OK = {
     "u": lambda x: type(x) is int and x >= 0,
     "i": lambda x: type(x) is int,
+    "c": lambda x: type(x) is int and 0 <= x < 2**62,
     "s": lambda x: type(x) is str,
     "b": lambda x: type(x) is bytes,
     "U": lambda x: type(x) is list and all(type(i) is int and i >= 0 for i in x),
@@ -94,7 +96,7 @@ values = st.recursive(scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=4), inner, max_size=3)), max_leaves=10)
 uints = st.integers(0, 2**64 - 1)
 ints = st.integers(-2**63, 2**63 - 1)
-KINDS = {"u": uints, "i": ints, "s": st.text(max_size=12), "b": st.binary(max_size=20),
+KINDS = {"u": uints, "i": ints, "c": st.integers(0, 2**62 - 1), "s": st.text(max_size=12), "b": st.binary(max_size=20),
          "U": st.lists(uints, max_size=40),
          "I": st.lists(ints, max_size=40), "l": st.lists(values, max_size=4),
          "d": st.dictionaries(st.text(max_size=6), values, max_size=4), "a": values}

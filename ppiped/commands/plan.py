@@ -9,7 +9,16 @@ import time
 
 from ..cluster import cluster_from_flags, load_cluster
 from ..errors import InputError
-from ..plan import Plan, PlanParams, check, format_plan_table, save_plan
+from ..plan import (
+    WEIGHT_MAX,
+    WEIGHT_MAX_RATIO,
+    WEIGHT_MIN,
+    Plan,
+    PlanParams,
+    check,
+    format_plan_table,
+    save_plan,
+)
 from ..profiles import ProfileError, load_profiles
 from .argtypes import (
     POSITIVE,
@@ -21,9 +30,7 @@ from .argtypes import (
     output_file,
 )
 
-WEIGHTS = numbers(1e-6, 1e6, max_ratio=1e6)
-"""Load weights are relative shares; the MILP's objective is throughput / weight, and CBC's
-tolerances (~1e-9) make plans wrong (1e9) or crash its child (1e300) far outside this range."""
+WEIGHTS = numbers(WEIGHT_MIN, WEIGHT_MAX, max_ratio=WEIGHT_MAX_RATIO)
 
 TIME_LIMIT = number(0, 7 * 86_400, lo_open=True)
 """Seconds for the whole plan: a week at most (the solver's clock overflows on inf)."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import logs
 from ..errors import InputError
-from ..plan import format_plan_table, load_plan
+from ..plan import check_weights, format_plan_table, load_plan
 from .config import ConfigError, format_ranges
 from .loop import now_us
 from .replan import missing_vgpus
@@ -100,6 +100,10 @@ class CtlServer:
                 await writer.drain()
         except (ConnectionError, asyncio.LimitOverrunError, asyncio.IncompleteReadError, ValueError):
             pass
+        except asyncio.CancelledError:
+            # shutdown with a connection open: end quietly (Python 3.11's stream callback calls
+            # task.exception() on a cancelled handler and logs the CancelledError as a crash)
+            pass
         finally:
             with contextlib.suppress(ConnectionError, OSError):
                 writer.close()
@@ -131,9 +135,7 @@ class CtlServer:
                     raise InputError(f"weights: unknown model(s) {', '.join(unknown)} "
                                      f"(the daemon serves {', '.join(srv.model_names)})")
                 w = [w.get(m, 0) for m in srv.model_names]
-            if not isinstance(w, list) or not all(isinstance(x, (int, float)) and x > 0 for x in w):
-                raise InputError("weights: expected a positive weight for every model")
-            weights = [float(x) for x in w]
+            weights = check_weights(w, srv.model_names)
         plan = None
         if req.get("plan_file"):  # migrate to a plan made elsewhere (e.g. `ppiped plan`)
             path = req["plan_file"]

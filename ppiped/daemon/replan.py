@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from .. import logs, wire
 from ..core.scheduler import Scheduler
 from ..errors import InputError
-from ..plan import Plan, format_plan_table
+from ..plan import Plan, check_weights, format_plan_table
 from .config import format_ranges
 from .loop import Timers, now_us
 
@@ -144,6 +144,7 @@ class Replanner:
                 if weights is None:
                     weights = weights_from_rates(srv.rates.rates) or [srv.plan.model(m).weight
                                                                             for m in srv.model_names]
+                weights = check_weights(weights, srv.model_names)
                 out["weights"] = dict(zip(srv.model_names, weights, strict=True))
                 plan = await self.compute(weights)
             out["plan_s"] = round(time.monotonic() - t0, 3)
@@ -170,9 +171,7 @@ class Replanner:
         from ..planner import make_request, plan_in_subprocess
 
         srv = self.srv
-        if len(weights) != len(srv.model_names) or any(not w > 0 for w in weights):
-            raise InputError(f"weights: expected {len(srv.model_names)} positive numbers "
-                             f"({', '.join(srv.model_names)}), got {weights}")
+        weights = check_weights(weights, srv.model_names)
         req = make_request(srv.profiles, srv.model_names, weights, srv.plan.cluster, srv.plan.params,
                            srv.cfg.replan_algo, srv.cfg.replan_time_limit_s,
                            slos_us=[srv.plan.model(m).slo_us for m in srv.model_names])

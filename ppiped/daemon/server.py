@@ -16,7 +16,7 @@ objects: never copied, never decoded.
 Failure handling (nothing hangs): an executor is gone when its connection drops (the executor
 ROUTER is mandatory-routing, so a dispatch to a dead peer fails at once), when it misses
 heartbeats for ``heartbeat.timeout_ms``, or when a batch it holds is overdue by
-``limits.result_grace_ms``. Its vGPUs leave the core (their reservations are released), the other
+``limits.result_grace_ms`` (or by its reserved length, if longer). Its vGPUs leave the core (their reservations are released), the other
 executors of its in-flight batches get CANCEL, and each request of those batches goes back into
 the queue with its original deadline: the core serves it if it still can, else drops it and the
 client hears ``executor-lost``.
@@ -174,7 +174,7 @@ class Batch:
     """A dispatched batch until every request in it is answered and every hop reported."""
 
     __slots__ = ("id", "model", "path", "infer_h", "link_h", "reqs", "finish", "answered", "times",
-                 "done_at", "size")
+                 "done_at", "size", "span")
 
     def __init__(self, bid: int, model: int, path: list[int], infer_h: list[int],
                  link_h: list[tuple[int, int] | None], reqs: dict[int, Req], finish: float) -> None:
@@ -183,6 +183,7 @@ class Batch:
         self.times: list[tuple[int, int, int] | None] = [None] * len(path)  # per hop (ready, start, end)
         self.done_at = 0
         self.size = len(reqs)
+        self.span = 0.0  # reserved length, first hop's start to the end (µs)
 
 
 class ExecState:
@@ -1035,12 +1036,19 @@ class Server:
             bid = self.next_batch
             self.next_batch += 1
             batch = Batch(bid, models[i], path, infer_h, link_h, dict(zip(ids, rs)), finish[i])  # noqa: B905
+            batch.span = finish[i] - min(starts[res0[i]:res0[i] + nres[i]], default=finish[i])
             try:
                 send_parts(exe, [execs[0].ident, wire.dispatch(bid, path, hop_start, ids), *[r.frame for r in rs]])
             except zmq.ZMQError as e:  # the executor's connection is gone (mandatory routing)
                 log.warning("dispatch-failed", vgpu=path[0], error=str(e))
                 self._book(batch, due, 0)
                 self.remove_executor(execs[0], "unreachable")  # loses the batch: requeued
+                continue
+            except Exception as e:  # noqa: BLE001 - a batch that cannot be encoded loses no request
+                log.error("dispatch-unencodable", batch=bid, vgpus=format_ranges(path),
+                          error=f"{type(e).__name__}: {e}")
+                self._book(batch, due, 0)
+                self.lose_batch(batch, "dispatch-failed")
                 continue
             sent.append((batch, now_us()))
         for batch, t in sent:
@@ -1506,7 +1514,8 @@ class Server:
         grace = self.cfg.result_grace_ms * 1000
         for b in list(self.batches.values()):
             if not b.answered:
-                if t > b.finish + grace:
+                # a long batch on a loaded host overruns by a share of its length, not a fixed time
+                if t > b.finish + max(grace, b.span):
                     log.warning("batch-overdue", batch=b.id, path=b.path, late_ms=round((t - b.finish) / 1000, 1))
                     self.lose_batch(b, "overdue")
             elif t - b.done_at > DONE_BATCH_KEEP_US:

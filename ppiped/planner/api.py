@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from ..cluster import Cluster
 from ..errors import InputError
-from ..plan import ModelPlan, Partition, Pipeline, Plan, PlanParams, model_slo_us
+from ..plan import ModelPlan, Partition, Pipeline, Plan, PlanParams, check_weights, model_slo_us
 from ..profiles import Profile
 from .configs import PipelineConfig, enumerate_configs, latency_budget_us, prune_dominated
 from .milp import Allocation, NoSolution, SolveInfo, solve_allocation
@@ -102,10 +102,7 @@ def _validate(profiles, models, weights, cluster, params, algo, time_limit, rate
         raise InputError("no models to plan")
     if len(set(models)) != len(models):
         raise InputError(f"a model is listed twice: {', '.join(models)}")
-    if len(weights) != len(models):
-        raise InputError(f"{len(models)} models but {len(weights)} weights")
-    if any(not (w > 0 and math.isfinite(w)) for w in weights):
-        raise InputError(f"weights must be positive numbers, got {list(weights)}")
+    weights = check_weights(list(weights), list(models))
     if rates is not None and len(rates) != len(models):
         raise InputError(f"{len(models)} models but {len(rates)} batch-delay rates")
     if rates is not None and any(not (r > 0 and math.isfinite(r)) for r in rates):
