@@ -98,6 +98,69 @@ def test_cut_points_ignore_weights_and_count_graph_inputs():
         analyze(_chain_model(), max_cut_tensors=0)
 
 
+def _segmenter(size_read_last: bool = False) -> onnx.ModelProto:
+    """A segmentation model as torch exports one: the input's height and width read with Shape
+    (at the top, or right before the final Resize), two stride-2 convolutions, and a Resize of
+    the result back to [batch, C] of the features + the input's [H, W]."""
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((4, 4, 3, 3)).astype(np.float32), "w2")
+    consts = [numpy_helper.from_array(np.array(v, dtype=np.int64), n)
+              for n, v in (("two", [2]), ("four", [4]), ("zero", [0]))]
+    reads = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Slice", ["xs", "two", "four"], ["hw"])]
+    convs = [helper.make_node("Conv", ["x", "w1"], ["c1"], strides=[2, 2], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], strides=[2, 2], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c2"], ["r2"])]
+    head = [helper.make_node("Shape", ["r2"], ["rs"]), helper.make_node("Slice", ["rs", "zero", "two"], ["nc"]),
+            helper.make_node("Concat", ["nc", "hw"], ["sizes"], axis=0),
+            helper.make_node("Resize", ["r2", "", "", "sizes"], ["y"], mode="linear")]
+    nodes = convs + reads + head if size_read_last else reads + convs + head
+    g = helper.make_graph(nodes, "seg", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 16, 16])],
+                          [w1, w2, *consts])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("size_read_last", [False, True])
+def test_sizes_read_from_the_input_are_folded(size_read_last, tmp_path):
+    """torch's ``x.shape[-2:]`` for a final Resize: the input's fixed H and W become constants, so
+    neither two int64 scalars (read at the top: torchvision's DeepLabV3 had no valid cut) nor the
+    input itself (read at the end: LR-ASPP sent it with every feature map) cross a cut. The
+    batch, read off the features, stays a node: the blocks run at batch size 2 and equal the
+    whole model."""
+    g = analyze(_segmenter(size_read_last), max_cut_tensors=2)
+    assert [c.tensors for c in g.cuts] == [("c1",), ("r1",), ("c2",), ("r2",)]
+    ops = [n.op_type for n in g.model.graph.node]
+    assert ops.count("Shape") == 1 and "Slice" in ops  # the batch-following read of the features
+    path = tmp_path / "seg.onnx"
+    onnx.save(_segmenter(size_read_last), str(path))
+    req = ProfileRequest(model_path=path, out_dir=tmp_path / "out", backend="estimate", gpu="V100", blocks=3,
+                         max_batch=2, progress=False, max_cut_tensors=1)
+    profile_model(req)
+    prof = json.loads((tmp_path / "out" / "seg.json").read_text())
+    assert prof["num_blocks"] == 3 and prof["boundary_bytes"] == [2 * 4 * 8 * 8, 2 * 4 * 4 * 4]
+    assert prof["equivalence"]["passed"] and prof["equivalence"]["max_rel_error"] <= 1e-2
+
+
+def test_a_cut_blocked_by_a_tensor_that_may_not_cross_is_named(tmp_path):
+    """A boolean mask of the input's content live to the end blocks every cut: the error names it
+    instead of blaming the number of activations."""
+    zero = numpy_helper.from_array(np.zeros((), np.float32), "zero")
+    nodes = [helper.make_node("Greater", ["x", "zero"], ["mask"]),
+             helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("Relu", ["b"], ["c"]), helper.make_node("Where", ["mask", "c", "zero"], ["y"])]
+    g = helper.make_graph(nodes, "masked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 8, 8])], [zero])
+    path = tmp_path / "masked.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    req = ProfileRequest(model_path=path, out_dir=tmp_path, backend="estimate", gpu="V100", blocks=2,
+                         max_batch=1, progress=False, max_cut_tensors=4)
+    with pytest.raises(InputError, match=r"no valid cut point.*tensor 'mask' \(bool, shape \[1, 4, 8, 8\]\) "
+                                         r"is live there and may not cross a cut.* at 4 of 4 positions"):
+        profile_model(req)
+
+
 def test_layer_costs(tiny):
     g = analyze(onnx.load(str(tiny)))
     conv = g.layers[0]  # 3 -> 8 channels, 4x4 stride 4 on 32x32 -> 8x8 outputs
@@ -120,7 +183,8 @@ def test_errors_for_bad_models(tmp_path):
     onnx.save(_chain_model(skip_all=True), str(path))
     req = ProfileRequest(model_path=path, out_dir=tmp_path, backend="estimate", gpu="V100", blocks=2,
                          max_batch=1, progress=False, max_cut_tensors=1)
-    with pytest.raises(InputError, match="no valid cut point"):
+    with pytest.raises(InputError, match=r"no valid cut point.*more than 1 activations cross "
+                                         r"\(raise --max-cut-tensors\) at 3 of 3 positions"):
         profile_model(req)
     with pytest.raises(InputError, match="not a readable ONNX"):
         (tmp_path / "junk.onnx").write_bytes(b"not a model")

@@ -41,6 +41,11 @@ MAX_INPUT_ELEMENTS = 2**28
 """Most elements one input sample may hold (1 GiB of float32): timing and the equivalence check
 allocate whole batches of it, so a larger ask (``--input-shape 3x100000x100000`` wanted 447 GiB)
 only ends in an allocation failure deep inside ONNX Runtime."""
+# Ops whose outputs depend only on their inputs' shapes, and ops that must never be folded.
+SHAPE_READS = {"Shape", "Size"}
+RANDOM_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+              "Bernoulli"}
+MAX_FOLDED_ELEMENTS = 4096
 RESHAPES = {"Flatten", "Reshape", "Squeeze", "Unsqueeze", "Transpose", "Shape", "Gather",
             "Concat", "Slice", "Split", "Constant", "ConstantOfShape", "Expand", "Tile"}
 
@@ -100,6 +105,7 @@ class ModelGraph:
     output_names: list[str]
     shapes: dict[str, tuple[int, ...]] = field(repr=False)  # at batch size 1
     dtypes: dict[str, int] = field(repr=False)
+    blocked: str = ""  # why positions between layers are not valid cuts (the most common reason)
 
     @property
     def total_flops(self) -> float:
@@ -288,6 +294,60 @@ def fold_constant_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def fold_static_shapes(model: onnx.ModelProto, batched: bool = True) -> onnx.ModelProto:
+    """In place: values computed from tensor shapes alone (``Shape``/``Size`` and arithmetic on
+    them, with weights) that are equal at batch sizes 1 and 2 become initializers, and the nodes
+    that made them go.
+
+    Why: exporters read sizes at the top of a forward pass (torch's ``x.shape[-2:]`` for a
+    segmentation head's final Resize). Left as nodes, two int64 scalars, or the input itself,
+    stay live across every cut: torchvision's DeepLabV3 had no valid cut, and LR-ASPP sent the
+    input image along with every feature map. A size that follows the batch stays a node.
+    ``batched=False``: the model runs at batch size 1 only, and every size is fixed."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    derived: set[str] = set()
+    for n in g.node:
+        ins = [t for t in n.input if t]
+        if n.op_type in RANDOM_OPS:
+            continue
+        if n.op_type in SHAPE_READS or (any(t in derived for t in ins)
+                                        and all(t in derived or t in inits for t in ins)):
+            derived.update(t for t in n.output if t)
+    if not derived:
+        return model
+    names = sorted(derived - {o.name for o in g.output})
+    try:
+        at1 = _run_for(model, names, batch=1)
+        at2 = _run_for(model, names, batch=2, seed=1) if batched else at1
+    except InputError:
+        return model  # the analysis that follows says why the model does not run
+    fixed = {t for t in names if at1[t].size <= MAX_FOLDED_ELEMENTS and at1[t].shape == at2[t].shape
+             and np.array_equal(at1[t], at2[t])}
+    used = {t for n in g.node for t in n.input} | {o.name for o in g.output}
+    keep, folded = [], []
+    for n in g.node:
+        outs = [t for t in n.output if t]
+        if outs and all(t in derived for t in outs) and all(t in fixed or t not in used for t in outs):
+            folded += [t for t in outs if t in fixed]
+            continue
+        keep.append(n)
+    if not folded:
+        return model
+    for t in folded:
+        g.initializer.append(numpy_helper.from_array(at1[t], t))
+    while True:  # the shape reads no longer used, and what only they fed
+        used = {t for n in keep for t in n.input} | {o.name for o in g.output}
+        live = [n for n in keep if not all(t in derived for t in n.output if t)
+                or any(t in used for t in n.output)]
+        if len(live) == len(keep):
+            break
+        keep = live
+    del g.node[:]
+    g.node.extend(keep)
+    return model
+
+
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
         return shape_inference.infer_shapes(model, data_prop=True)
@@ -342,7 +402,7 @@ def analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None,
     if not 1 <= max_cut_tensors <= MAX_CUT_TENSORS_LIMIT:
         raise InputError(f"--max-cut-tensors must be 1..{MAX_CUT_TENSORS_LIMIT}, got {max_cut_tensors}")
     _check_ops(model.graph)
-    m = _infer(fold_constant_nodes(fix_batch_axis(model, input_shape)))
+    m = _infer(fold_static_shapes(fold_constant_nodes(fix_batch_axis(model, input_shape)), batched))
     g = m.graph
     inits = {t.name: t for t in g.initializer}
     inp = next(i for i in g.input if i.name not in inits)
@@ -402,9 +462,14 @@ def analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None,
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         _layer_cost(layer, shapes, consts, inits, attrs)
     crossable = {t for t in batched if dtypes.get(t) in FEATURE_TYPES}
-    cuts = _valid_cuts(g, consts, shapes, dtypes, max_cut_tensors, crossable)
+    why: dict[str, int] = {}
+    cuts = _valid_cuts(g, consts, shapes, dtypes, max_cut_tensors, crossable, why)
+    blocked = ""
+    if why:
+        reason, count = max(why.items(), key=lambda kv: kv[1])
+        blocked = f"{reason} at {count} of {len(g.node) - 1} positions between layers"
     return ModelGraph(m, layers, cuts, inp.name, tuple(shapes[inp.name][1:]),
-                      [o.name for o in g.output], shapes, dtypes)
+                      [o.name for o in g.output], shapes, dtypes, blocked)
 
 
 def _check_topological(g: onnx.GraphProto, inits: dict) -> None:
@@ -418,10 +483,11 @@ def _check_topological(g: onnx.GraphProto, inits: dict) -> None:
 
 
 def _valid_cuts(g: onnx.GraphProto, consts: set[str], shapes: dict[str, tuple[int, ...]],
-                dtypes: dict[str, int], max_tensors: int = 1, crossable: set[str] | None = None) -> list[Cut]:
+                dtypes: dict[str, int], max_tensors: int = 1, crossable: set[str] | None = None,
+                why: dict[str, int] | None = None) -> list[Cut]:
     """Cuts with 1..``max_tensors`` activations crossing, all of them ``crossable`` (feature maps
     of a fixed shape per request) and no graph output among them, by a sweep over live ranges
-    [producer, last use)."""
+    [producer, last use). ``why`` counts the reasons the other positions fail."""
     n = len(g.node)
     produced: dict[str, int] = {i.name: -1 for i in g.input if i.name not in consts}
     last_use: dict[str, int] = {}
@@ -450,11 +516,22 @@ def _valid_cuts(g: onnx.GraphProto, consts: set[str], shapes: dict[str, tuple[in
         live.difference_update(ends.get(k, []))
         if all(t in consts for t in g.node[k].output if t):
             continue  # after a node computing constants only: the same cut as before it
-        if 1 <= len(live) <= max_tensors and not (live & outputs) and \
-                (crossable is None or live <= crossable):
+        stuck = live - crossable if crossable is not None else set()
+        if 1 <= len(live) <= max_tensors and not (live & outputs) and not stuck:
             ts = tuple(sorted(live, key=lambda t: (produced[t], t)))
             cuts.append(Cut(k, ts, tuple(_numel(shapes.get(t, (1,))) for t in ts),
                             tuple(dtypes.get(t, TensorProto.FLOAT) for t in ts)))
+        elif why is not None:
+            if stuck:
+                t = min(stuck, key=lambda t: (produced[t], t))
+                dt = TensorProto.DataType.Name(dtypes.get(t, TensorProto.FLOAT)).lower()
+                r = (f"tensor {t!r} ({dt}, shape {list(shapes.get(t, ()))}) is live there and may not cross "
+                     "a cut (only float feature maps with a batch axis and a fixed shape per request do)")
+            elif live & outputs:
+                r = "a graph output is already computed"
+            else:
+                r = f"more than {max_tensors} activations cross (raise --max-cut-tensors)"
+            why[r] = why.get(r, 0) + 1
     return cuts
 
 
@@ -502,7 +579,11 @@ def _shapes_by_running(model: onnx.ModelProto, names: list[str], batch: int = 1,
                        seed: int = 0) -> dict[str, tuple[int, ...]]:
     """Shapes that inference could not derive, read off one ONNX Runtime run (at ``batch`` when
     the model's batch axis is symbolic, on a random input drawn with ``seed``)."""
+    return {t: tuple(int(d) for d in a.shape) for t, a in _run_for(model, names, batch, seed).items()}
 
+
+def _run_for(model: onnx.ModelProto, names: list[str], batch: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
+    """The values of tensors ``names`` on one ONNX Runtime run of ``model`` on a random input."""
     m = copy.deepcopy(model)
     have = {o.name for o in m.graph.output}
     for t in names:
@@ -517,7 +598,7 @@ def _shapes_by_running(model: onnx.ModelProto, names: list[str], batch: int = 1,
     except Exception as e:
         raise InputError(f"cannot determine the shapes of {len(names)} tensors "
                          f"(first: {names[0]!r}) by inference or by running the model: {e}") from None
-    return {t: tuple(int(d) for d in o.shape) for t, o in zip(names, outs, strict=True)}
+    return dict(zip(names, (np.asarray(o) for o in outs), strict=True))
 
 
 def _random_input(meta, batch: int = 1, seed: int = 0) -> np.ndarray:
