@@ -17,11 +17,20 @@ Read from TOML::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .readfile import read_toml
+
+# At most this many vGPUs in one cluster (every GPU at its largest split) and so in one plan.
+# Each vGPU is an executor and a row of the data plane's tables, and Layout.from_plan places
+# them one by one: PPipe's largest clusters have 100 GPUs of at most 4 vGPUs, so a million is
+# far past any real plan yet keeps a typo (1e9) from looping for hours or exhausting memory.
+MAX_VGPUS = 1_000_000
+# vGPUs one GPU may be split into: MPS serves at most 48 clients per GPU (16 before Volta).
+MAX_SPLIT = 48
 
 
 class ClusterError(ValueError):
@@ -70,8 +79,8 @@ def cluster_from_json(d: Any, source: str = "cluster") -> Cluster:
     if unknown:
         raise ClusterError(f"{source}: unknown key(s) {', '.join(sorted(unknown))} (known: nic_gbps, gpus)")
     nic = d.get("nic_gbps")
-    if isinstance(nic, bool) or not isinstance(nic, (int, float)) or not nic > 0:
-        raise ClusterError(f"{source}: nic_gbps: expected a positive number, got {nic!r}")
+    if isinstance(nic, bool) or not isinstance(nic, (int, float)) or not 0 < nic < math.inf:
+        raise ClusterError(f"{source}: nic_gbps: expected a finite positive number, got {nic!r}")
     gpus_in = d.get("gpus")
     if not isinstance(gpus_in, dict) or not gpus_in:
         raise ClusterError(f"{source}: gpus: expected at least one [gpus.NAME] table")
@@ -89,9 +98,16 @@ def cluster_from_json(d: Any, source: str = "cluster") -> Cluster:
         if not isinstance(splits, list) or not splits:
             raise ClusterError(f"{key}.splits: expected a non-empty list of integers")
         sp = tuple(sorted({_pos_int(s, f"{key}.splits") for s in splits}))
-        gpus[name] = GpuType(name, count, per_server, sp)
+        if sp[-1] > MAX_SPLIT:
+            raise ClusterError(f"{key}.splits: {sp[-1]} vGPUs per GPU; MPS serves at most {MAX_SPLIT}")
+        # a server holds no more GPUs than there are (its NIC is shared by those it holds)
+        gpus[name] = GpuType(name, count, min(per_server, max(count, 1)), sp)
     if sum(g.count for g in gpus.values()) == 0:
         raise ClusterError(f"{source}: the cluster has no GPUs (every count is 0)")
+    vgpus = sum(g.count * g.splits[-1] for g in gpus.values())
+    if vgpus > MAX_VGPUS:
+        raise ClusterError(f"{source}: {vgpus:,} vGPUs with every GPU at its largest split, more than "
+                           f"{MAX_VGPUS:,} (the most one plan may hold)")
     return Cluster(gpus, float(nic))
 
 
@@ -136,6 +152,9 @@ def cluster_from_flags(gpus: str, per_server: str | None, splits: str | None, ni
 
     ps = per_type("--gpus-per-server", per_server, 1)
     mx = per_type("--vgpu-splits", splits, 1)
+    if any(m > MAX_SPLIT for m in mx):
+        raise ClusterError(f"--vgpu-splits: at most {MAX_SPLIT} vGPUs per GPU (MPS serves at most "
+                           f"{MAX_SPLIT} clients), got {splits}")
     spec = {
         "nic_gbps": nic_gbps,
         "gpus": {

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .cluster import Cluster, ClusterError, cluster_from_json
+from .cluster import MAX_VGPUS, Cluster, ClusterError, cluster_from_json
 
 if TYPE_CHECKING:
     from .query.app import App
@@ -372,11 +372,6 @@ def _check_apps(plan: Plan) -> list[Violation]:
 
 # --- reading and writing ------------------------------------------------------------------
 
-# At most this many vGPUs in one plan, all pools together. Each vGPU is an executor and a row of
-# the data plane's tables, and Layout.from_plan places them one by one: PPipe's largest clusters
-# have 100 GPUs of at most 4 vGPUs, so a million is far past any real plan yet keeps a typo
-# (1e9) from looping for hours.
-MAX_VGPUS = 1_000_000
 
 _TOP_KEYS = ("format", "algo", "cluster", "params", "objective", "solver", "models", "apps")
 _MODEL_KEYS = tuple(f.name for f in fields(ModelPlan))

@@ -78,6 +78,7 @@ SWEEP_CASES = {
     "max-factor-zero": (["--max-factor", "0"], "argument --max-factor"),
     "max-factor-negative": (["--max-factor", "-1"], "argument --max-factor"),
     "start-above-max": (["--start", "5"], "above --max-factor"),
+    "max-factor-below-resolution": (["--max-factor", "1e-9"], "below --resolution 0.01: no load factor to try"),
     "plot-dir-missing": (["--plot", "{tmp}/missing/a.png"], "does not exist"),
 }
 

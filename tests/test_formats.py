@@ -104,6 +104,11 @@ def test_cluster_toml_and_flags(tmp_path):
         ({"nic_gbps": 1, "gpus": {"A": {"count": 2, "splits": [0]}}}, "gpus.A.splits"),
         ({"nic_gbps": 1, "gpus": {"A": {"count": 0}}}, "no GPUs"),
         ({"nic_gbps": 1, "gpu": {}}, "unknown key(s) gpu"),
+        ({"nic_gbps": float("inf"), "gpus": {"A": {"count": 1}}}, "nic_gbps: expected a finite positive number"),
+        # counts no plan may hold (10^20 once reached numpy's allocator deep in the planner)
+        ({"nic_gbps": 1, "gpus": {"A": {"count": 10**20}}}, "more than 1,000,000 (the most one plan may hold)"),
+        ({"nic_gbps": 1, "gpus": {"A": {"count": 300_000, "splits": [1, 4]}}}, "1,200,000 vGPUs"),
+        ({"nic_gbps": 1, "gpus": {"A": {"count": 1, "splits": [1, 10**9]}}}, "MPS serves at most 48"),
     ],
 )
 def test_cluster_errors(spec, needle):
@@ -112,7 +117,16 @@ def test_cluster_errors(spec, needle):
     assert needle in str(e.value)
 
 
+def test_a_server_holds_no_more_gpus_than_there_are():
+    """per_server 100 with 3 GPUs once split each server's NIC 100 ways (and planned 12 % less)."""
+    cl = cluster_from_json({"nic_gbps": 10, "gpus": {"P4": {"count": 3, "per_server": 100},
+                                                     "V100": {"count": 8, "per_server": 4}}})
+    assert cl.gpus["P4"].per_server == 3 and cl.gpus["V100"].per_server == 4
+
+
 def test_cluster_flag_errors():
+    with pytest.raises(ClusterError, match="at most 48 vGPUs per GPU"):
+        cluster_from_flags("L4:25", None, "1000000000", 6)
     with pytest.raises(ClusterError, match="expected 2 values"):
         cluster_from_flags("L4:25,P4:75", "1", None, 6)
     with pytest.raises(ClusterError, match="NAME:COUNT"):

@@ -118,10 +118,13 @@ def test_the_oracle_matches_cbc_on_the_same_integer_program(inst, prices, share)
     if math.isinf(want):
         return
     assert got <= want + 1e-6 * (1 + want)  # a lower bound...
-    assert got >= want - 1e-5 * (1 + want)  # ...and exact
     # the counts it found are whole GPUs within the cluster that carry the demand
     assert np.all(np.round(G) == G) and np.all(mp.count >= G)
     assert lagrange.fluid_throughput(mp.use, G) >= demand * (1 - 1e-9)
+    # ...and exact; or CBC's tolerance (1e-5 of a unit) charged a GPU the counts above show
+    # is not needed (prices [0, 0, 1e-5]: free A GPUs carry the demand, CBC bought a C one)
+    paid = sum(price[g] * n for (_, g), n in zip(mp.pools, G, strict=True))
+    assert got >= want - 1e-5 * (1 + want) or paid < want - 1e-9
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

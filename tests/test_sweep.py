@@ -33,6 +33,25 @@ def test_sweep_zero_when_nothing_passes_and_cap():
     assert sweep(lambda lf: 1.0, max_factor=0.5).max_load_factor == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("step, max_factor, threshold, want", [
+    (5.0, 3.0, 0.98, 0.98),  # the first coarse step is past the cap: the cap itself is tried
+    (0.5, 1.23, 5.0, 1.23),  # everything passes: the answer is the cap, off the coarse grid
+    (0.5, 1.23, 1.1, 1.1),   # the failure at the cap bounds the bisection
+])
+def test_sweep_tries_the_cap_when_the_grid_steps_past_it(step, max_factor, threshold, want):
+    """A coarse step larger than what is left below --max-factor once ended the search with no
+    run at all and answered 0."""
+    calls = []
+
+    def run(lf):
+        calls.append(lf)
+        return 1.0 if lf <= threshold + 1e-9 else 0.9
+
+    r = sweep(run, step=step, max_factor=max_factor)
+    assert r.max_load_factor == pytest.approx(want)
+    assert max(calls) <= max_factor + 1e-9 and len(calls) == len(set(calls))
+
+
 def test_sweep_looks_past_a_dip_at_light_load():
     """Attainment below target at 0.05 only (a light-load dip), then fine up to 0.62."""
     r = sweep(lambda lf: 0.98 if lf <= 0.05 + 1e-9 else (1.0 if lf <= 0.62 + 1e-9 else 0.9))

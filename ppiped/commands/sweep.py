@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_factor / args.step > MAX_COARSE_POINTS:
         raise InputError(f"--max-factor {args.max_factor:g} / --step {args.step:g} is more than "
                          f"{MAX_COARSE_POINTS:,} load factors to simulate: raise --step")
+    if args.max_factor < args.resolution:
+        raise InputError(f"--max-factor {args.max_factor:g} is below --resolution {args.resolution:g}: "
+                         "no load factor to try")
     if args.max_factor / args.resolution > MAX_BISECT_RATIO:
         raise InputError(f"--resolution {args.resolution:g} is below {1 / MAX_BISECT_RATIO:g} x "
                          f"--max-factor {args.max_factor:g}: raise --resolution")

@@ -205,8 +205,8 @@ class _Table:
                 raise ConfigError(f"{where}: expected a number >= 0 or \"inf\", got {v!r}")
             v = float(v)
         elif kind == "num+":
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ConfigError(f"{where}: expected a positive number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e15:
+                raise ConfigError(f"{where}: expected a positive number below 1e15, got {v!r}")
             v = float(v)
         elif kind == "table" and not isinstance(v, dict):
             raise ConfigError(f"{where}: expected a table")

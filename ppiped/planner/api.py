@@ -67,20 +67,21 @@ def plan_cluster(
         if not algo_configs(profiles[m], cluster, params, algo, slo[m], None, max_batch=1):
             raise InputError(_no_config_message(profiles[m], cluster, params, algo, slo[m]))
     rates: dict[str, float]
+    np_plan: Plan | None = None
     if batch_delay_rates is not None:
         rates = dict(zip(models, (float(r) for r in batch_delay_rates), strict=True))
         rates_from = "given"
     else:
         try:
-            rates = _np_rates(profiles, models, req["weights"], cluster, params, slo, t0 + time_limit,
-                              threads, mip_gap)
+            rates, np_plan = _np_rates(profiles, models, req["weights"], cluster, params, slo,
+                                       t0 + time_limit, threads, mip_gap)
             rates_from = "np"
         except InputError as e:
             # Fewer GPUs than models (a small CPU host, say): NP cannot place every model on whole
             # GPUs, but one partition per model on vGPUs may; its throughputs stand in for NP's.
             try:
-                rates = _np_rates(profiles, models, req["weights"], cluster, params, slo, t0 + time_limit,
-                                  threads, mip_gap, algo=_NP_VGPUS)
+                rates, _ = _np_rates(profiles, models, req["weights"], cluster, params, slo,
+                                     t0 + time_limit, threads, mip_gap, algo=_NP_VGPUS)
                 rates_from = _NP_VGPUS
                 log.warning("planner: the NP plan has no solution (%s); batching-delay rates come from "
                             "one partition per model on vGPUs instead", e)
@@ -89,7 +90,8 @@ def plan_cluster(
                                  "rates explicitly to plan without it)") from None
     deadline = t0 + time_limit
     plan = _plan_once(profiles, models, req["weights"], cluster, params, algo, slo, rates,
-                      max(0.5, deadline - time.perf_counter()), threads, mip_gap)
+                      max(0.5, deadline - time.perf_counter()), threads, mip_gap,
+                      np_plan if algo == "ppipe" else None)
     plan.solver["plan_s"] = time.perf_counter() - t0
     plan.solver["batch_delay_rates_from"] = rates_from
     return plan
@@ -139,8 +141,8 @@ def _validate(profiles, models, weights, cluster, params, algo, time_limit, rate
 
 
 def _np_rates(profiles, models, weights, cluster, params, slo, deadline, threads,
-              mip_gap, algo: str = "np") -> dict[str, float]:
-    """λ for the batching-delay estimate: each model's throughput in the NP plan.
+              mip_gap, algo: str = "np") -> tuple[dict[str, float], Plan]:
+    """λ for the batching-delay estimate: each model's throughput in the NP plan; and that plan.
 
     The NP plan needs λ itself, so it is solved first without the delay estimate and then
     again with its own throughputs until they settle (a few rounds at most).
@@ -155,7 +157,7 @@ def _np_rates(profiles, models, weights, cluster, params, slo, deadline, threads
         rates = dict(new)
         if settled:
             break
-    return {m: float(r) for m, r in rates.items()}  # type: ignore[arg-type]
+    return {m: float(r) for m, r in rates.items()}, p  # type: ignore[arg-type]
 
 
 def algo_configs(profile: Profile, cluster: Cluster, params: PlanParams, algo: str, slo_us: float,
@@ -200,16 +202,17 @@ def _dart_configs(profile, cluster, params, slo_us, rate_rps, max_batch=None) ->
 
 
 def _plan_once(profiles, models, weights, cluster, params, algo, slo, rates, time_limit, threads,
-               mip_gap) -> Plan:
+               mip_gap, seed: Plan | None = None) -> Plan:
     configs = {}
     for m in models:
         cs = algo_configs(profiles[m], cluster, params, algo, slo[m], rates[m])
         if not cs:
             raise InputError(_no_config_message(profiles[m], cluster, params, algo, slo[m]))
         configs[m] = cs
+    seeds = [a] if seed is not None and (a := _as_allocation(seed, configs)) else []
     try:
         allocs, info = solve_allocation(configs, weights, cluster, time_limit, threads, mip_gap,
-                                        share_gpus=params.share_gpus)
+                                        share_gpus=params.share_gpus, seeds=seeds)
     except NoSolution as e:
         if e.proven:
             raise InputError("the cluster is too small to serve every model at once") from None
@@ -223,14 +226,34 @@ def _plan_once(profiles, models, weights, cluster, params, algo, slo, rates, tim
     return plan
 
 
+def _as_allocation(plan: Plan, configs: dict[str, list[PipelineConfig]]) -> list[Allocation]:
+    """``plan``'s pipelines as allocations of ``configs`` (the same shapes), or [] if one is not
+    among them (pruned as dominated, or over the SLO at these batching-delay rates)."""
+    index = {(m, c.batch_size, tuple((s.start, s.end, s.gpu, s.split) for s in c.segments)): c
+             for m, cs in configs.items() for c in cs}
+    out = []
+    for mp in plan.models:
+        for p in mp.pipelines:
+            c = index.get((mp.model, p.batch_size, tuple((*q.blocks, q.gpu, q.vgpu_split) for q in p.partitions)))
+            if c is None:
+                return []
+            out.append(Allocation(c, tuple(q.num_vgpus for q in p.partitions)))
+    return out
+
+
 def _no_config_message(profile, cluster, params, algo, slo_us) -> str:
     budget = latency_budget_us(slo_us, params)
-    fastest = min((profile.partition_latency_us(g, 1, 0, profile.num_blocks, 1)
-                   for g in cluster.gpus if g in profile.latency and 1 in profile.latency[g]),
-                  default=math.inf)
-    return (f"{profile.model}: no {algo} pipeline meets the SLO of {slo_us / 1e3:.1f} ms: after the "
-            f"{params.slo_margin:.0%} margin {budget / 1e3:.1f} ms remain, and the fastest whole GPU "
-            f"in this cluster takes {fastest / 1e3:.1f} ms at batch size 1")
+    usable = [g for g, t in cluster.gpus.items() if t.count > 0 and 1 in t.splits
+              and g in profile.latency and 1 in profile.latency[g]]
+    head = (f"{profile.model}: no {algo} pipeline meets the SLO of {slo_us / 1e3:.3g} ms: after the "
+            f"{params.slo_margin:.0%} margin {budget / 1e3:.3g} ms remain")
+    if not usable:
+        return (f"{head}, and no GPU type of this cluster (with GPUs, split 1 allowed) is profiled "
+                f"for it (profiled: {', '.join(sorted(profile.latency)) or 'none'})")
+    g = min(usable, key=lambda g: profile.partition_latency_us(g, 1, 0, profile.num_blocks, 1))
+    fastest = profile.partition_latency_us(g, 1, 0, profile.num_blocks, 1)
+    return (f"{head}, and the fastest whole GPU in this cluster ({g}) takes {fastest / 1e3:.3g} ms at "
+            "batch size 1 (with the batching delay and any transfers on top)")
 
 
 def build_plan(allocs: list[Allocation], info: SolveInfo, models, weights, cluster, params, algo,

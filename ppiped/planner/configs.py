@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from ..cluster import Cluster
 from ..plan import PlanParams, batch_delay_us, per_vgpu_throughput_rps, slo_margin_us
@@ -158,6 +159,35 @@ def _chains(seg, usable, bounds, bs, room, fastest_tail, model, delay, out) -> N
     go(0, 0.0)
 
 
+@njit(cache=True)
+def _skyline(g: np.ndarray, v: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Which of ``order`` (a sweep order, dominators first) no earlier survivor dominates: one
+    with at least the throughput and a multiple of the split on every partition. Compiled: the
+    same test in numpy cost 10 µs a configuration in call overhead (400,000 took 13 s)."""
+    n, k = g.shape
+    alive = np.zeros(n, dtype=np.bool_)
+    sky = np.empty(n, dtype=np.int64)
+    m = 0
+    for t in range(n):
+        a = order[t]
+        dominated = False
+        for j in range(m):
+            b = sky[j]
+            ok = True
+            for p in range(k):
+                if g[b, p] < g[a, p] or v[b, p] % v[a, p] != 0:
+                    ok = False
+                    break
+            if ok:  # a survivor before it equal in both is earlier: it dominates
+                dominated = True
+                break
+        if not dominated:
+            sky[m] = a
+            m += 1
+            alive[t] = True
+    return alive
+
+
 def prune_dominated(configs: list[PipelineConfig]) -> list[PipelineConfig]:
     """Drop configurations another one beats on every pool without coarser granularity.
 
@@ -166,6 +196,12 @@ def prune_dominated(configs: list[PipelineConfig]) -> list[PipelineConfig]:
     of ``j`` on the same physical GPUs), and ``j`` gives at least as much throughput per physical
     GPU on every partition. Any plan using ``i`` then stays feasible, with no less throughput,
     using ``j`` instead; so the optimum survives the pruning.
+
+    Dominance is a strict partial order (ties broken by position), so whatever is dominated is
+    dominated by a survivor: each group is swept once in an order that puts every dominator
+    before what it dominates (throughput summed over the partitions, then the product of the
+    splits, both descending), each configuration tested against the survivors so far only (a
+    test against every other one took 50 s for 30,000 configurations).
     """
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, c in enumerate(configs):
@@ -175,14 +211,7 @@ def prune_dominated(configs: list[PipelineConfig]) -> list[PipelineConfig]:
         g = np.array([[s.rps_per_gpu for s in configs[i].segments] for i in idx])
         v = np.array([[s.split for s in configs[i].segments] for i in idx])
         n = len(idx)
-        order = np.arange(n)
-        for a in range(n):
-            ge = np.all(g >= g[a], axis=1)
-            div = np.all(v % v[a] == 0, axis=1)
-            better = np.any(g > g[a], axis=1) | np.any(v != v[a], axis=1) | (order < a)
-            dom = ge & div & better
-            dom[a] = False
-            if not dom.any():
-                keep.append(idx[a])
+        order = np.lexsort((np.arange(n), -np.prod(v, axis=1), -g.sum(axis=1)))
+        keep += [idx[a] for a in order[_skyline(g, v, order)]]
     keep.sort()
     return [configs[i] for i in keep]

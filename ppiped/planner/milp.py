@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,12 +193,14 @@ def solve_allocation(
     threads: int = 1,
     rel_gap: float = 1e-6,
     share_gpus: bool = False,
+    seeds: Sequence[list[Allocation]] = (),
 ) -> tuple[list[Allocation], SolveInfo]:
     """Choose vGPU counts for ``configs`` that maximise min over models of throughput/weight.
 
     Phases, each skipped once an incumbent meets the best bound: the LP relaxation (a bound
     and GPU prices); knapsack bounds (:mod:`.bounds`) under the LP's prices and a few others,
-    whose purchases are incumbents when they fit; a MILP restricted to a kernel of promising
+    whose purchases are incumbents when they fit (as are ``seeds``: e.g. the NP plan, which
+    PPipe's space contains, so PPipe never ends below it); a MILP restricted to a kernel of promising
     configurations, for a good incumbent quickly; the Lagrangian bound with PPipe's per-model
     whole-GPU rounding (:mod:`.lagrange`), which closes most of what is left when several GPU
     types bind; and the full MILP, warm-started from the incumbent, with ``z`` free (with time
@@ -220,6 +222,9 @@ def solve_allocation(
     S.phases["lp_bound"] = z_lp
     S.phases["bound_by"] = "lp"
     S.lap("lp")
+    for seed in seeds:
+        S.offer(seed, "seed")
+        S.keep |= {id(a.config) for a in seed}
     S.try_prices(lp_prices)
     S.phases["knapsack_bound"] = S.bound
     for prices in _price_variants(lp_prices, cluster):

@@ -46,7 +46,8 @@ def sweep(
     when given, so both cores are busy). With ``start`` (a guess of the answer), the coarse phase
     begins there instead and steps up while it passes or down until it passes: the same answer
     for a monotone curve in far fewer runs. Fine phase: bisection between the last pass and the
-    first failure down to ``resolution``. Returns 0 when even the smallest step fails.
+    first failure down to ``resolution``. The coarse phase ends at ``max_factor`` (tried
+    itself where the grid steps past it). Returns 0 when even the smallest step fails.
     """
     points: dict[float, float] = {}
 
@@ -82,9 +83,10 @@ def sweep(
         else:
             ok = f0
             k += 1
+    top = q(max_factor)
     while bad is None:
-        batch = [q(step * (k + i)) for i in range(max(1, width))]
-        batch = [f for f in batch if f <= max_factor + 1e-9]
+        # the coarse grid, and max_factor itself where the grid steps past it
+        batch = sorted({min(q(step * (k + i)), top) for i in range(max(1, width))} - set(points))
         if not batch:
             break
         evaluate(batch)
