@@ -138,6 +138,8 @@ BASE = {"plan": "p.json", "profiles": "profiles"}
     ({"endpoints": {"executor": 5}}, "endpoints.executor: expected a string"),
     ({"limits": {"max_payload_bytes": 0}}, "limits.max_payload_bytes: expected an integer >= 1"),
     ({"limits": {"max_pending": "many"}}, "limits.max_pending"),
+    ({"endpoints": {"client": "ipc:///tmp/x/c.sock", "executor": "ipc:///tmp/x/../x/c.sock"}},
+     "endpoints.executor: 'ipc:///tmp/x/../x/c.sock' is also endpoints.client"),
     ({"limits": {"max_backlog_ms": float("inf")}}, "limits.max_backlog_ms: expected a positive number below 1e15"),
     ({"heartbeat": {"interval_ms": 100, "timeout_ms": 150}}, "heartbeat.timeout_ms: must be at least twice"),
     ({"executor": {"backend": "cuda"}}, "executor.backend: expected one of emulate, ort, trt"),

@@ -277,6 +277,14 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
     cfg.allow_remote = ep.get("allow_remote", False, "bool")
     for k in ("client", "executor", "ctl"):
         setattr(cfg, k, check_endpoint(ep.get(k, getattr(cfg, k), "str"), ep.key(k), src, cfg.allow_remote))
+    seen: dict[str, str] = {}
+    for k in ("client", "executor", "ctl"):
+        e = getattr(cfg, k)
+        # one ipc path bound twice: libzmq's second bind unlinks the first socket's file
+        key = "ipc://" + os.path.normpath(os.path.abspath(e[6:])) if e.startswith("ipc://") else e
+        if key in seen:
+            raise ConfigError(f"{src}: {ep.key(k)}: {e!r} is also {ep.key(seen[key])}; each endpoint needs its own")
+        seen[key] = k
     ep.done()
     lim = top.sub("limits")
     cfg.max_payload_bytes = lim.get("max_payload_bytes", cfg.max_payload_bytes, "int+")

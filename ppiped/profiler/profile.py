@@ -276,7 +276,8 @@ def _check_block_count(req: ProfileRequest, graph: ModelGraph) -> None:
     units = units_of(graph)
     if req.blocks > len(units):
         if len(units) == 1:
-            raise InputError(f"the model has no valid cut point, so it cannot be partitioned: {graph.blocked}")
+            raise InputError(f"the model has no valid cut point, so it cannot be partitioned: "
+                             f"{graph.blocked or 'it has a single layer'}")
         raise InputError(f"cannot make {req.blocks} blocks: the model has only {len(units) - 1} valid "
                          f"cut points (at most {len(units)} blocks); lower --blocks")
 
