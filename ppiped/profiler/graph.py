@@ -529,6 +529,8 @@ def _valid_cuts(g: onnx.GraphProto, consts: set[str], shapes: dict[str, tuple[in
                      "a cut (only float feature maps with a batch axis and a fixed shape per request do)")
             elif live & outputs:
                 r = "a graph output is already computed"
+            elif not live:
+                r = "no activation crosses (what follows does not read what came before)"
             else:
                 r = f"more than {max_tensors} activations cross (raise --max-cut-tensors)"
             why[r] = why.get(r, 0) + 1
