@@ -283,13 +283,26 @@ class RefScheduler:
                 drops += [(r.rid, "no-capacity") for r in q]
                 q.clear()
                 return INF
-            f_b, _, hops_b, p = best
+            f_b, w_b, hops_b, p = best
+            # the rooms never take more of the SLO than the path leaves from empty tables
+            slo = float(L.slo_us[m])
+            cls = self.room * slo if q[0].prio <= 0 and self.hi_until[m] > now else 0.0
+            give = shift + cls - max(slo - (f_b - now - w_b), 0.0)
+            s_hi = s_lo = shift  # a negative s_lo gives back the class room in a low deadline
+            if give > 0:
+                s_hi, s_lo = max(shift - give, 0.0), shift - give
+                dh = q[0].deadline - (s_hi if q[0].prio > 0 else s_lo)
             B = int(L.pipe_bs[p])
             chosen, hops, fmin = 0, hops_b, f_b
             pressed = self.hbf_until[m] > now
             keep_full = self.pard[m] and (n > B or (pressed and (n == B or self.gap[m] < self.pgap[m])))
             if f_b <= dh:
                 chosen = B
+            elif self.early and n < B:  # a short queue takes what is at hand
+                f, _, h = self.probe(p, n, now)
+                fmin = min(fmin, f)
+                if f <= dh:
+                    chosen, hops = n, h
             elif not self.early and not keep_full:
                 for b in range(B - 1, 0, -1):
                     f, _, h = self.probe(p, b, now)
@@ -315,13 +328,11 @@ class RefScheduler:
                 # PARD: overloaded; keep the batch full, drop what it cannot serve in time and
                 # take from the high-budget end for the model's SLO
                 self.hbf_until[m] = now + float(L.slo_us[m])
-                while q and q[0].deadline < f_b + shift:
-                    drops.append((q.pop(0).rid, "early-drop"))
+                self._drop_before(q, f_b, s_lo, s_hi, "early-drop", drops)
                 continue
             if chosen == 0:
                 self.hbf_until[m] = now + float(L.slo_us[m])
-                while q and q[0].deadline < fmin + shift:
-                    drops.append((q.pop(0).rid, "early-drop" if self.early else "deadline"))
+                self._drop_before(q, fmin, s_lo, s_hi, "early-drop" if self.early else "deadline", drops)
                 continue
             take = chosen
             if n < chosen:
@@ -361,6 +372,14 @@ class RefScheduler:
             self.share[m][1] += take
             self.share[m][3] = max(self.share[m][3] - take, 1.0 - take)
         return INF
+
+    @staticmethod
+    def _drop_before(q: list, f: float, s_lo: float, s_hi: float, reason: str, drops: list) -> None:
+        """Drop what a batch ending at ``f`` serves late (deadline less its class's shift), earliest first."""
+        gone = [r for r in q if r.deadline - (s_hi if r.prio > 0 else s_lo) < f]
+        drops += [(r.rid, reason) for r in gone]
+        out = {id(r) for r in gone}
+        q[:] = [r for r in q if id(r) not in out]
 
     def _share_roll(self, m: int, now: float) -> None:
         sh, slo = self.share[m], float(self.L.slo_us[m])
