@@ -599,8 +599,8 @@ def _oldest(A, F, dq, m, hq):
 def _drop_before(A, F, m, f, s_lo, s_hi, reason):
     """Drop model ``m``'s requests (both classes) that a batch ending at ``f`` would serve late,
     earliest first: deadline less its class's shift (``s_lo``, ``s_hi``) before ``f``, the very
-    expression the decision tested the oldest with (a threshold computed another way once
-    differed from it by a rounding, dropped nothing, and the decision looped forever)."""
+    expression the decision tested the oldest with (a threshold computed another way can differ
+    from it by a rounding, drop nothing, and leave the decision looping forever)."""
     dq = queues_desc(A)
     hq = _hiq(A, m)
     o_qs = off(A, X_Q_SIZE)
