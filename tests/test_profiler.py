@@ -161,6 +161,26 @@ def test_a_cut_blocked_by_a_tensor_that_may_not_cross_is_named(tmp_path):
         profile_model(req)
 
 
+def test_a_check_on_outputs_the_input_does_not_move_is_flagged(tmp_path, capsys):
+    """Blocks equal to the whole model prove little where the output is the same for every
+    sample (weights that ignore the input: torchvision's googlenet with seeded weights): the
+    profile names such outputs and the command warns."""
+    zero = numpy_helper.from_array(np.zeros((), np.float32), "zero")
+    bias = numpy_helper.from_array(np.full((1, 4, 1, 1), 0.5, np.float32), "bias")
+    nodes = [helper.make_node("Mul", ["x", "zero"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("Add", ["b", "bias"], ["y"])]
+    g = helper.make_graph(nodes, "flat", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 8, 8])], [zero, bias])
+    path = tmp_path / "flat.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    req = ProfileRequest(model_path=path, out_dir=tmp_path / "out", backend="estimate", gpu="V100", blocks=2,
+                         max_batch=2, progress=False)
+    profile_model(req)
+    eq = json.loads((tmp_path / "out" / "flat.json").read_text())["equivalence"]
+    assert eq["passed"] and eq["input_insensitive"] == ["y"]
+    assert "came out the same for every sample" in capsys.readouterr().err
+
+
 def test_layer_costs(tiny):
     g = analyze(onnx.load(str(tiny)))
     conv = g.layers[0]  # 3 -> 8 channels, 4x4 stride 4 on 32x32 -> 8x8 outputs

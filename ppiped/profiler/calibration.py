@@ -174,16 +174,17 @@ def check_equivalence(whole_path: Path | str, block_paths: Sequence[Path | str],
     from .export import chain_errors
 
     batch = max(1, max_batch)
+    varies: dict[str, bool] = {}
     if calibration is not None:
         cal = Calibration(calibration, inp)
-        errors, count = chain_errors(str(whole_path), [str(p) for p in block_paths], cal.batches(batch))
+        errors, count = chain_errors(str(whole_path), [str(p) for p in block_paths], cal.batches(batch), varies)
         if count == 0:
             raise InputError(f"calibration input {calibration} holds no samples")
         what = cal.describe(count)
     else:
         batch = min(2, batch)
         xs, what = random_batches(inp, batch=batch)
-        errors, count = chain_errors(str(whole_path), [str(p) for p in block_paths], xs)
+        errors, count = chain_errors(str(whole_path), [str(p) for p in block_paths], xs, varies)
     worst = max(errors, key=lambda k: (np.isnan(errors[k]), errors[k]))
     err = errors[worst]
     return {
@@ -191,6 +192,9 @@ def check_equivalence(whole_path: Path | str, block_paths: Sequence[Path | str],
         "worst_output": worst,
         "per_output": {k: _figure(v) for k, v in errors.items()},
         "passed": bool(err <= tolerance),
+        # outputs the inputs did not move: equal blocks there prove little (weights that
+        # ignore the input, or a single sample)
+        "input_insensitive": sorted(k for k, v in varies.items() if not v),
         "tolerance": tolerance,
         "metric": METRIC,
         "input": what,

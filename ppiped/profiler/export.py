@@ -131,6 +131,8 @@ class OutputError:
         self.lo = float("inf")
         self.hi = float("-inf")
         self.absmax = 0.0
+        self.first: Any = None  # the whole model's output for the first sample
+        self.varies = False  # whether any other sample's output differs from it
 
     def add(self, chain: Any, whole: Any) -> None:
         import numpy as np
@@ -142,6 +144,10 @@ class OutputError:
                              f"gives {list(w.shape)}")
         if w.size == 0:
             return
+        if w.ndim:  # per sample: a check on outputs the input does not move proves little
+            if self.first is None:
+                self.first = w[0].copy()
+            self.varies = self.varies or any(not np.array_equal(x, self.first) for x in w)
         self.diff = float(np.max([self.diff, np.max(np.abs(c - w))]))
         self.lo = float(np.min([self.lo, np.min(w)]))
         self.hi = float(np.max([self.hi, np.max(w)]))
@@ -162,11 +168,12 @@ def range_relative_error(chain: Any, whole: Any) -> float:
     return e.error()
 
 
-def chain_errors(whole_path: str, block_paths: Sequence[str],
-                 batches: Iterable[Any]) -> tuple[dict[str, float], int]:
+def chain_errors(whole_path: str, block_paths: Sequence[str], batches: Iterable[Any],
+                 varies: dict[str, bool] | None = None) -> tuple[dict[str, float], int]:
     """Run the block sub-models in sequence (fp16 at the boundaries) and the whole model with
     ONNX Runtime on each input batch; the error per whole-model output name (see
-    :class:`OutputError`) and the number of samples run."""
+    :class:`OutputError`) and the number of samples run. ``varies``, if given, gets per output
+    whether the whole model's output differed between samples."""
     from .graph import ort_run, ort_session
 
     whole = ort_session(whole_path, "the model")
@@ -184,6 +191,8 @@ def chain_errors(whole_path: str, block_paths: Sequence[str],
         for n, r, o in zip(names, ref, outs, strict=True):
             errs[n].add(o, r)
         count += len(x)
+    if varies is not None:
+        varies.update({n: e.varies for n, e in errs.items()})
     return {n: e.error() for n, e in errs.items()}, count
 
 

@@ -504,6 +504,10 @@ def _profile_into(req: ProfileRequest, graph: ModelGraph, existing: Profile | No
             print(f"ppiped profile: warning: the blocks in sequence differ from the whole model on "
                   f"output {equivalence['worst_output']!r} by {'NaN' if err is None else err} of its "
                   f"range, above {EQUIVALENCE_TOLERANCE} ({equivalence['input']})", file=sys.stderr)
+        if equivalence["input_insensitive"] and equivalence["samples"] > 1:
+            print(f"ppiped profile: warning: output(s) {', '.join(equivalence['input_insensitive'])} came "
+                  f"out the same for every sample ({equivalence['input']}): the blocks' check proves "
+                  "little there; give --calibration inputs that the model tells apart", file=sys.stderr)
     if req.backend == "estimate":
         lat, whole, source = _estimate_latencies(req, graph, blocks)
     else:
