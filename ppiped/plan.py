@@ -37,7 +37,7 @@ tolerances (~1e-9) make plans wrong (1e9) or crash its child (1e300) far outside
 def check_weights(weights: Any, models: list[str]) -> list[float]:
     """``weights`` as floats, one per model in [WEIGHT_MIN, WEIGHT_MAX] and at most
     WEIGHT_MAX_RATIO apart; raises :class:`~ppiped.errors.InputError` naming what is wrong."""
-    from .errors import InputError
+    from .errors import InputError  # (errors imports this module)
 
     if not isinstance(weights, (list, tuple)) or len(weights) != len(models):
         raise InputError(f"weights: expected {len(models)} (one per model: {', '.join(models)}), got {weights!r}")
@@ -371,7 +371,6 @@ def _check_apps(plan: Plan) -> list[Violation]:
 
 
 # --- reading and writing ------------------------------------------------------------------
-
 
 _TOP_KEYS = ("format", "algo", "cluster", "params", "objective", "solver", "models", "apps")
 _MODEL_KEYS = tuple(f.name for f in fields(ModelPlan))

@@ -314,7 +314,8 @@ def _any(x: Any) -> bool:
 
 
 _CHECKS: dict[Any, tuple[Callable[[Any], bool], str]] = {
-    UInt: (_uint, "unsigned int"), int: (_int, "int"), Clock: (_clock, "a clock in µs below 2^62"), str: (_str, "string"),
+    UInt: (_uint, "unsigned int"), int: (_int, "int"), Clock: (_clock, "a clock in µs below 2^62"),
+    str: (_str, "string"),
     bytes: (_bytes, "bytes"), UInts: (_uints, "list of unsigned ints"), Ints: (_ints, "list of ints"), list: (_list, "list"),
     dict: (_dict, "map"), Any: (_any, "any")}
 

@@ -81,7 +81,8 @@ class ServeConfig:
     max_backlog_ms: float = 25.0  # client socket behind this long: new SUBMITs answered overloaded
     heartbeat_interval_ms: int = 100
     heartbeat_timeout_ms: int = 1000
-    result_grace_ms: float = 200.0  # a batch is lost this long (or its reserved length if longer) after its reserved end without a result
+    # a batch is lost this long (or its reserved length if longer) after its reserved end without a result
+    result_grace_ms: float = 200.0
     scheduler: dict[str, Any] = field(default_factory=dict)  # passed to the core as options
     models: dict[str, ModelSettings] = field(default_factory=dict)
     executor_defaults: ExecutorSettings = field(default_factory=ExecutorSettings)

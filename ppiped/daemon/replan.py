@@ -171,7 +171,6 @@ class Replanner:
         from ..planner import make_request, plan_in_subprocess
 
         srv = self.srv
-        weights = check_weights(weights, srv.model_names)
         req = make_request(srv.profiles, srv.model_names, weights, srv.plan.cluster, srv.plan.params,
                            srv.cfg.replan_algo, srv.cfg.replan_time_limit_s,
                            slos_us=[srv.plan.model(m).slo_us for m in srv.model_names])

@@ -16,10 +16,10 @@ objects: never copied, never decoded.
 Failure handling (nothing hangs): an executor is gone when its connection drops (the executor
 ROUTER is mandatory-routing, so a dispatch to a dead peer fails at once), when it misses
 heartbeats for ``heartbeat.timeout_ms``, or when a batch it holds is overdue by
-``limits.result_grace_ms`` (or by its reserved length, if longer). Its vGPUs leave the core (their reservations are released), the other
-executors of its in-flight batches get CANCEL, and each request of those batches goes back into
-the queue with its original deadline: the core serves it if it still can, else drops it and the
-client hears ``executor-lost``.
+``limits.result_grace_ms`` (or by its reserved length, if longer). Its vGPUs leave the core
+(their reservations are released), the other executors of its in-flight batches get CANCEL, and
+each request of those batches goes back into the queue with its original deadline: the core
+serves it if it still can, else drops it and the client hears ``executor-lost``.
 """
 
 from __future__ import annotations
