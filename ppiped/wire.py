@@ -29,6 +29,7 @@ import msgspec
 
 VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
+FRAME_SLACK = 4096  # above a payload cap, so a frame at the cap still passes ZMQ_MAXMSGSIZE
 
 
 class T(IntEnum):

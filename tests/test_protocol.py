@@ -138,6 +138,8 @@ BASE = {"plan": "p.json", "profiles": "profiles"}
     ({"endpoints": {"executor": 5}}, "endpoints.executor: expected a string"),
     ({"limits": {"max_payload_bytes": 0}}, "limits.max_payload_bytes: expected an integer >= 1"),
     ({"limits": {"max_pending": "many"}}, "limits.max_pending"),
+    ({"limits": {"max_tensor_bytes": 4096}}, "limits.max_tensor_bytes: expected 65536 to 1099511627776 bytes"),
+    ({"limits": {"max_tensor_bytes": 2**50}}, "limits.max_tensor_bytes: expected 65536"),
     ({"endpoints": {"client": "ipc:///tmp/x/c.sock", "executor": "ipc:///tmp/x/../x/c.sock"}},
      "endpoints.executor: 'ipc:///tmp/x/../x/c.sock' is also endpoints.client"),
     ({"limits": {"max_backlog_ms": float("inf")}}, "limits.max_backlog_ms: expected a positive number below 1e15"),
@@ -153,6 +155,36 @@ def test_config_errors_name_the_key(extra, text):
     with pytest.raises(ConfigError) as e:
         config_from_dict({**BASE, **extra}, "/etc/ppiped.toml")
     assert text in str(e.value) and "/etc/ppiped.toml" in str(e.value)
+
+
+def test_tensor_cap_is_derived_from_every_profile_in_the_directory(tmp_path):
+    """The daemon and its executors read the same directory, so they derive the same cap: the
+    headroom times the largest tensor any profile sends (boundary or input) at its largest
+    batch, never below the floor; an explicit key wins; no readable profiles: the default."""
+    from ppiped.daemon.config import (
+        TENSOR_CAP_FLOOR,
+        TENSOR_CAP_UNKNOWN,
+        TENSOR_HEADROOM,
+        tensor_frame_cap,
+    )
+    from ppiped.profiles import Profile, save_profile
+
+    d = tmp_path / "profiles"
+    d.mkdir()
+    big = 40 << 20  # bytes per request at one boundary; 8 requests a batch at most
+    lat = np.ones((3, 8))
+    m = Profile("m", 3, {"T4": {1: lat}}, np.array([1000.0, big]), {"T4": 3.0})
+    save_profile(m, d / "m.json")
+    save_profile(Profile("s", 2, {"T4": {1: np.ones((2, 2))}}, np.array([10.0]), {"T4": 2.0}), d / "s.json")
+    cfg = config_from_dict({"plan": "p.json", "profiles": str(d)}, tmp_path / "ppiped.toml")
+    assert tensor_frame_cap(cfg)[0] == TENSOR_HEADROOM * big * 8
+    (d / "m.json").unlink()
+    assert tensor_frame_cap(cfg)[0] == TENSOR_CAP_FLOOR  # s alone: 4 x 10 x 2 bytes
+    cfg.profiles = tmp_path / "nowhere"
+    assert tensor_frame_cap(cfg)[0] == TENSOR_CAP_UNKNOWN
+    assert tensor_frame_cap(cfg, {"m": m})[0] == TENSOR_HEADROOM * big * 8  # the daemon's own
+    cfg.max_tensor_bytes = 1 << 20
+    assert tensor_frame_cap(cfg) == (1 << 20, "limits.max_tensor_bytes")
 
 
 def test_config_defaults_overrides_and_templates(tmp_path):

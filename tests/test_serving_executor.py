@@ -422,3 +422,41 @@ def test_a_forward_of_any_shape_is_an_error_text_never_an_exception(meta, frames
     specs = [TensorSpec("a", np.dtype("<f2"), (4, 2)), TensorSpec("b", np.dtype("<f2"), (3,))]
     out = feeds_from_frames(frames, meta, specs, n)
     assert isinstance(out, (str, dict))
+
+
+def test_frames_past_the_tensor_cap_are_neither_received_nor_sent(sched, tmp_path):
+    """``limits.max_tensor_bytes`` is ZMQ_MAXMSGSIZE on the data socket: a FORWARD whose frame
+    is larger (here with the right data key, which alone would get it run) is dropped by libzmq
+    before it is allocated, and the executor serves on. An executor whose own output is larger
+    fails the batch with a reason naming the key instead of sending a frame the next hop's
+    socket would drop without a word."""
+    cap = 64 << 10
+    cfg = write_config(tmp_path, extra=f"[limits]\nmax_tensor_bytes = {cap}\n")
+    procs = [sched.spawn(cfg, "0"), sched.spawn(cfg, "1")]
+    idents = {}
+    for _ in range(2):
+        ident, h, _ = sched.recv(T.REGISTER)
+        idents[h.vgpus[0]] = ident
+    directory = {0: f"ipc://{tmp_path}/data-0.sock", 1: f"ipc://{tmp_path}/data-1.sock"}
+    for v in (0, 1):
+        sched.send(idents[v], wire.peers(directory))
+        welcome(sched, idents[v], [v])
+    pusher = sched.ctx.socket(zmq.PUSH)
+    pusher.setsockopt(zmq.LINGER, 0)
+    pusher.connect(directory[1])
+    pusher.send_multipart([wire.forward(100, [0, 1], [0, 0], 1, [50], None, DATA_KEY), b"x" * (4 * cap)])
+    with pytest.raises(AssertionError):  # dropped before it ran
+        sched.recv(T.RESULT, timeout_s=0.5)
+    pusher.send_multipart([wire.forward(101, [0, 1], [0, 0], 1, [51], None, DATA_KEY), b"small"])
+    ident, h, frames = sched.recv(T.RESULT)  # the same sender, reconnected, within the cap
+    assert (ident, h.batch, h.ids, frames) == (idents[1], 101, [51], [b"small"])
+    sched.send(idents[0], wire.dispatch(7, [0, 1], [0, 0], [1, 2]), b"y" * 9, b"z" * (cap + 1))
+    ident, h, frames = sched.recv(T.RESULT)  # (ZMQ_MAXMSGSIZE caps each frame)
+    assert ident == idents[0] and h.batch == 7 and h.ids == [] and frames == []
+    assert [x for x in h.failed if isinstance(x, int)] == [1, 2]
+    assert all("limits.max_tensor_bytes" in x for x in h.failed if isinstance(x, str))
+    sched.send(idents[0], wire.dispatch(8, [0, 1], [0, 0], [3]), b"fits")
+    ident, h, frames = sched.recv(T.RESULT)
+    assert (ident, h.batch, h.ids, frames) == (idents[1], 8, [3], [b"fits"])
+    pusher.close(0)
+    assert all(p.poll() is None for p in procs)

@@ -339,3 +339,29 @@ async def test_daemon_restart_ends_every_pending_request_explicitly():
             assert waited < 10
             info = await ac.info(timeout_s=10)
             assert info["epoch"] != epoch
+
+
+def test_a_frame_past_the_tensor_cap_never_reaches_the_scheduler(cluster):
+    """A process on the host sends the executor socket one frame just past the cap derived from
+    the tiny profiles (their 64 MiB floor): libzmq drops it and its connection before the loop
+    sees it (without the cap the scheduler allocated it and counted it malformed), and legit
+    traffic is served on."""
+    from ppiped.daemon.config import tensor_frame_cap
+
+    c, cfg = cluster
+    cap, _ = tensor_frame_cap(cfg)
+    before = c.status()["counters"].get("exec_malformed", 0)
+    imp = Impostor(cfg.executor)
+    try:
+        imp.sock.send(b"\x00" * (cap + wire.FRAME_SLACK + 1))
+        imp.sock.send(b"\x01" * 64)  # after it, a small malformed message on a new connection
+        deadline = time.monotonic() + 5
+        while c.status()["counters"].get("exec_malformed", 0) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert c.status()["counters"].get("exec_malformed", 0) == before + 1
+    finally:
+        imp.close()
+    with Client(c.client_endpoint, timeout_s=10) as cl:
+        out = cl.submit_many("tiny", [b"x"] * 3, slo_ms=500)
+    assert len(out) == 3 and all(not isinstance(r, (Dropped, Rejected)) for r in out)

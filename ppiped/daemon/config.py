@@ -11,6 +11,7 @@ is true: a scheduler that listens on other interfaces is a decision, not a defau
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -58,6 +59,17 @@ class ExecutorSettings:
         return f"tcp://127.0.0.1:{self.data_port_base + vgpu}"
 
 
+# Frames on the executor and data sockets (feature maps, results): ZMQ_MAXMSGSIZE on both, so a
+# peer that reaches them cannot make the daemon or an executor allocate an arbitrary frame.
+MIN_TENSOR_BYTES = 64 << 10
+MAX_TENSOR_BYTES = 1 << 40
+TENSOR_CAP_FLOOR = 64 << 20
+TENSOR_CAP_UNKNOWN = 4 << 30  # no profiles to derive the cap from (an executor on another host)
+# a profile's boundary bytes are fp16; a backend may send fp32 (x2), and a model's output, which
+# profiles do not record, may be larger than any boundary (x2 again)
+TENSOR_HEADROOM = 4
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     slo_ms: float | None = None  # overrides the plan's SLO
@@ -75,6 +87,7 @@ class ServeConfig:
     ctl: str = "tcp://127.0.0.1:5557"
     allow_remote: bool = False
     max_payload_bytes: int = 16 << 20
+    max_tensor_bytes: int = 0  # largest frame on executor and data sockets (0: tensor_frame_cap derives it)
     max_pending: int = 100_000
     max_ids_per_message: int = 4096
     max_slo_ms: float = 60_000.0  # a request may ask for at most this SLO
@@ -289,6 +302,10 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
     ep.done()
     lim = top.sub("limits")
     cfg.max_payload_bytes = lim.get("max_payload_bytes", cfg.max_payload_bytes, "int+")
+    cfg.max_tensor_bytes = lim.get("max_tensor_bytes", cfg.max_tensor_bytes, "int+")
+    if cfg.max_tensor_bytes and not MIN_TENSOR_BYTES <= cfg.max_tensor_bytes <= MAX_TENSOR_BYTES:
+        raise ConfigError(f"{src}: {lim.key('max_tensor_bytes')}: expected {MIN_TENSOR_BYTES} to "
+                          f"{MAX_TENSOR_BYTES} bytes, got {cfg.max_tensor_bytes}")
     cfg.max_pending = lim.get("max_pending", cfg.max_pending, "int+")
     cfg.max_ids_per_message = lim.get("max_ids_per_message", cfg.max_ids_per_message, "int+")
     cfg.max_slo_ms = lim.get("max_slo_ms", cfg.max_slo_ms, "num+")
@@ -453,6 +470,32 @@ def _ops_tables(top: _Table, cfg: ServeConfig, base: Path) -> None:
     cfg.replan_flush_timeout_ms = float(flush)
     cfg.replan_preload_timeout_ms = float(rp.get("preload_timeout_ms", 60_000, "int0"))
     rp.done()
+
+
+def tensor_frame_cap(cfg: ServeConfig, profiles: dict | None = None) -> tuple[int, str]:
+    """The largest frame the executor and data sockets accept, and where the figure comes from.
+
+    ``limits.max_tensor_bytes`` when set; else ``TENSOR_HEADROOM`` x the largest tensor any profile
+    in ``profiles`` (the directory's, else the ones given) sends per request x its largest batch,
+    at least ``TENSOR_CAP_FLOOR``: the daemon and its executors read the same directory, so they
+    agree, and any plan of those models fits."""
+    if cfg.max_tensor_bytes:
+        return cfg.max_tensor_bytes, "limits.max_tensor_bytes"
+    from ..profiles import load_profiles
+
+    if cfg.profiles is not None:
+        with contextlib.suppress(InputError, OSError, ValueError):
+            profiles = load_profiles(cfg.profiles)
+    if not profiles:
+        return TENSOR_CAP_UNKNOWN, "default: no profiles to derive it from"
+    need = 0
+    for p in profiles.values():
+        spec = p.input_spec() or {}
+        per = max(int(p.boundary_bytes.max(initial=0)), int(spec.get("bytes", 0)))
+        bs = max((a.shape[1] for sp in p.latency.values() for a in sp.values()), default=1)
+        need = max(need, per * bs)
+    cap = max(TENSOR_HEADROOM * need, TENSOR_CAP_FLOOR)
+    return min(cap, MAX_TENSOR_BYTES), f"derived from the profiles ({TENSOR_HEADROOM} x {need} bytes)"
 
 
 def load_config(path: str | Path) -> ServeConfig:

@@ -44,7 +44,7 @@ from ..profiles import Profile
 from ..security import peer_key, serve, start_authenticator
 from ..wire import Status, T
 from . import sdnotify
-from .config import ConfigError, ServeConfig, check_endpoint, format_ranges
+from .config import ConfigError, ServeConfig, check_endpoint, format_ranges, tensor_frame_cap
 from .ctl_server import CtlServer
 from .loop import Reader, Timers, now_us, pin_this_thread, send_parts, unavailable_cpus, zmq_context
 from .metrics import Metrics, MetricsServer
@@ -267,6 +267,7 @@ class Server:
                               "(known: policy, min_wait_us, wait_guard_us, class_room, pressure_room, "
                               "room_quantile, share_window, noise_z, app_deadlines)")
         self.policy_name, self.core_kw, self.profiles = policy, kw, profiles
+        self.tensor_cap, self.tensor_cap_from = tensor_frame_cap(cfg, profiles)
         try:
             self.core = Scheduler(plan, profiles, policy=policy, **kw)
         except ValueError as e:
@@ -448,7 +449,7 @@ class Server:
                                      max_frame=max(cfg.max_payload_bytes, wire.MAX_HEADER_BYTES),
                                      domain="client", unlimited=True)
             self.exe = self._bind(zmq.ROUTER, cfg.executor, "endpoints.executor", mandatory=True,
-                                  domain="executor")
+                                  max_frame=self.tensor_cap, domain="executor")
             self.ctl = self._bind(zmq.ROUTER, cfg.ctl, "endpoints.ctl", max_frame=wire.MAX_HEADER_BYTES,
                                   domain="ctl")
         except ConfigError:
@@ -484,7 +485,8 @@ class Server:
         if wd:
             self._watchdog(wd)
         log.info("listening", client=self.cfg.client, executor=self.cfg.executor, ctl=self.cfg.ctl,
-                 models=",".join(self.model_names), vgpus=self.nv, plan=self.plan.source)
+                 models=",".join(self.model_names), vgpus=self.nv, plan=self.plan.source,
+                 max_tensor_bytes=self.tensor_cap, max_tensor_bytes_from=self.tensor_cap_from)
         sdnotify.notify(f"READY=1\nSTATUS=serving {len(self.model_names)} models on {self.nv} vGPUs")
         await self.done
         await self.shutdown()
@@ -539,7 +541,7 @@ class Server:
             s.setsockopt(zmq.RCVHWM, CLIENT_RCVHWM)
         serve(s, self.cfg.security, domain)
         if max_frame > 0:
-            s.setsockopt(zmq.MAXMSGSIZE, max_frame + 4096)
+            s.setsockopt(zmq.MAXMSGSIZE, max_frame + wire.FRAME_SLACK)
         if mandatory:
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             s.setsockopt(zmq.SNDHWM, 1_000_000)

@@ -50,6 +50,7 @@ from ..daemon.config import (
     check_endpoint,
     format_ranges,
     load_config,
+    tensor_frame_cap,
 )
 from ..daemon.loop import NOBLOCK, Reader, Timers, now_us, send_parts
 from ..errors import UserError
@@ -266,6 +267,8 @@ class Executor:
                          "bad_peer_messages": 0, "forwards_refused": 0, "bad_jobs": 0, "run_us": 0,
                          "wait_us": 0, "loop_lag_max_us": 0}
         self.data_key = b""  # WELCOME's: every FORWARD to or from this executor carries it
+        # the scheduler and every peer cap frames alike (the same config and profiles)
+        self.tensor_cap, self.tensor_cap_from = tensor_frame_cap(cfg)
 
     # --- life cycle ---------------------------------------------------------------------------
 
@@ -287,6 +290,7 @@ class Executor:
         self.data = self.zctx.socket(zmq.PULL)
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.setsockopt(zmq.RCVHWM, 100_000)
+        self.data.setsockopt(zmq.MAXMSGSIZE, self.tensor_cap + wire.FRAME_SLACK)
         serve(self.data, sec, "data", sec.own)
         path = ipc_path(self.data_endpoint)
         why = ipc_taken(path) if path else None
@@ -679,6 +683,14 @@ class Executor:
             return
         ids = job.ids
         bad: list = []
+        big = max((_nbytes(f) for f in frames), default=0)
+        if big > self.tensor_cap:
+            # the receiver's socket would drop the frame and its connection with it, silently
+            why = (f"failed: a feature map of {big} bytes exceeds limits.max_tensor_bytes "
+                   f"{self.tensor_cap} ({self.tensor_cap_from})")
+            log.error("tensor-too-large", vgpu=w.vgpu, batch=job.batch, bytes=big, cap=self.tensor_cap)
+            failed = [(i, why) for i in range(len(ids))]
+            frames = []
         if failed:
             gone = {i for i, _ in failed}
             for i, reason in failed:
@@ -758,6 +770,13 @@ class Executor:
             with contextlib.suppress(zmq.Again):
                 self.ctl.send(wire.feedback(entries), zmq.NOBLOCK)
             self.ctl_reader.kick()
+
+
+def _nbytes(frame: Any) -> int:
+    try:
+        return memoryview(frame).nbytes
+    except TypeError:
+        return len(frame)
 
 
 def _where(a: wire.Assignment | None) -> dict:
