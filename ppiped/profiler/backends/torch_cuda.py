@@ -21,9 +21,18 @@ from ...errors import InputError
 SUPPORTED = {"Conv", "ConvTranspose", "BatchNormalization", "Relu", "Add", "Sub", "Mul", "Div", "MaxPool",
              "AveragePool", "GlobalAveragePool", "Flatten", "Gemm", "MatMul", "Cast", "Identity", "Sigmoid",
              "Clip", "Concat", "HardSwish", "HardSigmoid", "Tanh", "Resize", "Reshape", "Transpose", "Softmax",
-             "LayerNormalization", "Squeeze", "Unsqueeze", "Constant"}
-# Inputs read as numbers when the program is built (shapes, scales, axes), not as tensors.
-_STATIC_INPUTS = {"Resize": (1, 2, 3), "Reshape": (1,), "Squeeze": (1,), "Unsqueeze": (1,)}
+             "LayerNormalization", "Squeeze", "Unsqueeze", "Constant", "Erf", "ReduceMean", "Shape", "Gather",
+             "Slice"}
+# Inputs read as numbers (shapes, scales, axes, slice bounds, indices), not as tensors: constants,
+# or values computed on the host from tensor shapes (see HOST_OPS).
+_STATIC_INPUTS = {"Resize": (1, 2, 3), "Reshape": (1,), "Squeeze": (1,), "Unsqueeze": (1,), "ReduceMean": (1,),
+                  "Slice": (1, 2, 3, 4), "Gather": (1,)}
+# Operators evaluated on the host, with numpy, when every input is a constant or such a host value:
+# the shape arithmetic exporters emit around a batch-following Reshape or a Resize to an input's
+# size (Shape -> Gather -> Unsqueeze -> Concat -> Reshape). Its values are fixed per batch size, so
+# a CUDA graph captured at that size replays them.
+HOST_OPS = {"Shape", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Cast", "Add", "Sub", "Mul", "Div",
+            "Identity"}
 
 
 def import_torch():
@@ -61,11 +70,16 @@ def _constant_value(n) -> np.ndarray:
 class OnnxProgram:
     """The model's nodes as torch calls over fp16 tensors on the GPU."""
 
-    def __init__(self, model: onnx.ModelProto, torch, F) -> None:  # noqa: N803
+    def __init__(self, model: onnx.ModelProto, torch, F, device: str = "cuda", dtype: Any = None) -> None:  # noqa: N803
+        """``device``/``dtype``: where and in which float type the program runs (CUDA fp16 by
+        default, as profiled; the tests run it on the CPU in fp32 against onnxruntime)."""
         self.torch, self.F = torch, F
-        dev = torch.device("cuda")
+        dev = torch.device(device)
+        dtype = torch.half if dtype is None else dtype
+        self.dev, self.dtype = dev, dtype
         g = model.graph
         consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+        host: set[str] = set()  # tensors computed on the host from shapes and constants
         nodes = []
         for n in g.node:
             if n.op_type not in SUPPORTED:
@@ -74,17 +88,22 @@ class OnnxProgram:
             if n.op_type == "Constant":
                 consts[n.output[0]] = _constant_value(n)
                 continue
+            if n.op_type == "Shape" or (n.op_type in HOST_OPS and all(
+                    not t or t in consts or t in host for t in n.input)):
+                host.update(n.output)
             for i in _STATIC_INPUTS.get(n.op_type, ()):
-                if i < len(n.input) and n.input[i] and n.input[i] not in consts:
+                if i < len(n.input) and n.input[i] and n.input[i] not in consts and n.input[i] not in host:
                     raise InputError(f"the torch backend needs input {i} of {n.op_type} node {n.name} to be a "
-                                     "constant (a shape computed at run time); use --backend trt or ort")
+                                     "constant or computed from tensor shapes (it is computed from tensor "
+                                     "values); use --backend trt or ort")
             nodes.append(n)
         self.consts = consts
+        self.host = host
         self.nodes = self._fold_bn(nodes, consts)
         self.w = {k: torch.from_numpy(np.array(v, copy=True)).to(dev) for k, v in consts.items()}
         for k, v in self.w.items():
             if v.is_floating_point():
-                v = v.half()
+                v = v.to(dtype)
                 self.w[k] = v.contiguous(memory_format=torch.channels_last) if v.dim() == 4 else v
         # a first block takes the image; a later one every tensor of the cut before it
         self.inputs = [i.name for i in g.input if i.name not in consts]
@@ -131,7 +150,53 @@ class OnnxProgram:
                                        tuple(a.get("output_padding", [0, 0])), a.get("group", 1),
                                        tuple(a.get("dilations", [1, 1])))
 
-    def _resize(self, n, a: dict, x):
+    def _tensor(self, v):
+        """A host value where a tensor is read (a constant folded on the host): on the device."""
+        if not isinstance(v, np.ndarray):
+            return v
+        t = self.torch.tensor(v, device=self.dev)
+        return t.to(self.dtype) if t.is_floating_point() else t
+
+    def _num(self, name: str, env: dict) -> np.ndarray | None:
+        """A numeric input: a constant, or a value the program computed on the host."""
+        if name in self.consts:
+            return self.consts[name]
+        v = env.get(name)
+        return v if isinstance(v, np.ndarray) else None
+
+    def _host(self, n, a: dict, env: dict) -> np.ndarray:
+        """One shape-arithmetic node on the host (numpy), ONNX semantics."""
+        op = n.op_type
+        if op == "Shape":
+            shape = np.array(env[n.input[0]].shape, dtype=np.int64)
+            return shape[a.get("start", 0):a.get("end")]
+        ins = [self._num(t, env) if t else None for t in n.input]
+        x = ins[0]
+        if op == "Gather":
+            return np.take(x, ins[1], axis=a.get("axis", 0))
+        if op == "Slice":
+            for ax, r in _slices(x.shape, *ins[1:5]):
+                x = np.take(x, np.asarray(r, dtype=np.int64), axis=ax)
+            return x
+        if op == "Concat":
+            return np.concatenate([np.atleast_1d(v) for v in ins], axis=a.get("axis", 0))
+        if op in ("Unsqueeze", "Squeeze"):
+            axes = [int(v) for v in ins[1]] if len(ins) > 1 and ins[1] is not None else list(a.get("axes", []))
+            if op == "Unsqueeze":
+                out = x.ndim + len(axes)
+                return np.expand_dims(x, tuple(sorted(v % out for v in axes)))
+            return np.squeeze(x, tuple(v % x.ndim for v in axes)) if axes else np.squeeze(x)
+        if op == "Cast":
+            return x.astype(helper.tensor_dtype_to_np_dtype(a["to"]))
+        if op in ("Add", "Sub", "Mul"):
+            return {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}[op](x, ins[1])
+        if op == "Div":
+            if np.issubdtype(x.dtype, np.integer) and np.issubdtype(ins[1].dtype, np.integer):
+                return (np.trunc(x / ins[1])).astype(np.result_type(x, ins[1]))
+            return x / ins[1]
+        return x  # Identity
+
+    def _resize(self, n, a: dict, x, env: dict):
         """ONNX Resize of the spatial axes, as F.interpolate does it: nearest (floor of the
         asymmetric source for ``asymmetric``, rounded half-pixel otherwise) or linear."""
         def text(key, default):
@@ -139,8 +204,8 @@ class OnnxProgram:
             return v.decode() if isinstance(v, bytes) else v
 
         mode, ctm = text("mode", "nearest"), text("coordinate_transformation_mode", "half_pixel")
-        scales = self.consts.get(n.input[2]) if len(n.input) > 2 and n.input[2] else None
-        sizes = self.consts.get(n.input[3]) if len(n.input) > 3 and n.input[3] else None
+        scales = self._num(n.input[2], env) if len(n.input) > 2 and n.input[2] else None
+        sizes = self._num(n.input[3], env) if len(n.input) > 3 and n.input[3] else None
         kw: dict[str, Any] = {}
         if sizes is not None and len(sizes):
             kw["size"] = tuple(int(v) for v in sizes[2:])
@@ -169,7 +234,10 @@ class OnnxProgram:
         env.update(zip(self.inputs, xs, strict=True))
         for n in self.nodes:
             a = {at.name: helper.get_attribute_value(at) for at in n.attribute}
-            ins = [env[t] if t else None for t in n.input]
+            if n.output[0] in self.host:
+                env[n.output[0]] = np.asarray(self._host(n, a, env))
+                continue
+            ins = [self._tensor(env[t]) if t else None for t in n.input]
             op = n.op_type
             if op == "Conv":
                 pads = list(a.get("pads", [0, 0, 0, 0]))
@@ -183,9 +251,9 @@ class OnnxProgram:
             elif op == "ConvTranspose":
                 y = self._conv_transpose(n, a, ins)
             elif op == "Resize":
-                y = self._resize(n, a, ins[0])
+                y = self._resize(n, a, ins[0], env)
             elif op == "Reshape":
-                shape = [int(d) for d in self.consts[n.input[1]]]
+                shape = [int(d) for d in self._num(n.input[1], env)]
                 if not a.get("allowzero", 0):
                     shape = [ins[0].shape[i] if d == 0 else d for i, d in enumerate(shape)]
                 y = torch.reshape(ins[0], shape)
@@ -198,7 +266,7 @@ class OnnxProgram:
                 y = F.layer_norm(ins[0], tuple(ins[0].shape[ax:]), ins[1], ins[2] if len(ins) > 2 else None,
                                  a.get("epsilon", 1e-5))
             elif op in ("Squeeze", "Unsqueeze"):
-                axes = [int(v) for v in self.consts[n.input[1]]] if len(n.input) > 1 and n.input[1] \
+                axes = [int(v) for v in self._num(n.input[1], env)] if len(n.input) > 1 and n.input[1] \
                     else list(a.get("axes", []))
                 y = ins[0]
                 if op == "Squeeze":
@@ -210,6 +278,32 @@ class OnnxProgram:
                     out_dim = y.dim() + len(axes)
                     for x in sorted(x % out_dim for x in axes):
                         y = y.unsqueeze(x)
+            elif op == "Erf":
+                y = torch.erf(ins[0])
+            elif op == "ReduceMean":
+                axes = [int(v) for v in self._num(n.input[1], env)] if len(n.input) > 1 and n.input[1] \
+                    else list(a.get("axes", []))
+                if not axes and a.get("noop_with_empty_axes", 0):
+                    y = ins[0]
+                else:
+                    y = ins[0].mean(dim=tuple(axes) or None, keepdim=bool(a.get("keepdims", 1))) if axes \
+                        else ins[0].mean().reshape([1] * ins[0].dim() if a.get("keepdims", 1) else [])
+            elif op == "Slice":
+                y = ins[0]
+                for ax, r in _slices(y.shape, *(self._num(t, env) if t else None for t in n.input[1:5])):
+                    if r.step > 0:  # (torch slices with positive steps only)
+                        y = y.narrow(ax, r.start, max(r.stop - r.start, 0))[(slice(None),) * ax + (slice(None, None, r.step),)]
+                    else:
+                        y = y.index_select(ax, torch.tensor(r, dtype=torch.long, device=y.device))
+            elif op == "Gather":
+                idx = self._num(n.input[1], env)
+                ax = a.get("axis", 0) % ins[0].dim()
+                if idx.ndim == 0:
+                    y = ins[0].select(ax, int(idx) % ins[0].shape[ax])
+                else:
+                    t = torch.as_tensor(np.where(idx < 0, idx + ins[0].shape[ax], idx), device=ins[0].device)
+                    y = ins[0].index_select(ax, t.reshape(-1)).reshape(
+                        *ins[0].shape[:ax], *idx.shape, *ins[0].shape[ax + 1:])
             elif op == "BatchNormalization":
                 y = F.batch_norm(ins[0], ins[3], ins[4], ins[1], ins[2], False, 0.0, a.get("epsilon", 1e-5))
             elif op == "Relu":
@@ -251,6 +345,25 @@ class OnnxProgram:
                 y = torch.cat(ins, dim=a.get("axis", 1))
             env[n.output[0]] = y
         return [env[o] for o in self.outputs]
+
+
+def _slices(shape, starts, ends, axes=None, steps=None) -> list[tuple[int, range]]:
+    """ONNX Slice bounds as (axis, the indices it keeps): negatives count from the end, and the
+    bounds clamp as ONNX clamps them (for a negative step the start to dim - 1 and the end to -1,
+    where Python's slices differ)."""
+    axes = range(len(starts)) if axes is None else axes
+    steps = [1] * len(starts) if steps is None else steps
+    out = []
+    for s0, e0, ax, st in zip(starts, ends, axes, steps, strict=True):
+        ax, st = int(ax) % len(shape), int(st)
+        d = int(shape[ax])
+        s0, e0 = (int(v) + d if int(v) < 0 else int(v) for v in (s0, e0))
+        if st > 0:
+            s0, e0 = min(max(s0, 0), d), min(max(e0, 0), d)
+        else:
+            s0, e0 = min(max(s0, 0), d - 1), min(max(e0, -1), d - 1)
+        out.append((ax, range(s0, e0, st)))
+    return out
 
 
 class TorchSession:
