@@ -26,7 +26,7 @@ def _model(nodes, inits, out_shape_rank: int, opset: int = 17, name: str = "y") 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", C, H, W])
     y = helper.make_tensor_value_info(name, TensorProto.FLOAT, [None] * out_shape_rank)
     g = helper.make_graph(nodes, "g", [x], [y], [numpy_helper.from_array(v, k) for k, v in inits.items()])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
     onnx.checker.check_model(m)
     return m
 

@@ -78,8 +78,9 @@ class OnnxProgram:
         dtype = torch.half if dtype is None else dtype
         self.dev, self.dtype = dev, dtype
         g = model.graph
-        consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
-        host: set[str] = set()  # tensors computed on the host from shapes and constants
+        self.consts = consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+        host: set[str] = set()  # tensors computed on the host from shapes (per batch size)
+        self._cache: dict = {}  # host values read as tensors, by value: made once, before a capture
         nodes = []
         for n in g.node:
             if n.op_type not in SUPPORTED:
@@ -87,6 +88,11 @@ class OnnxProgram:
                                  f"(node {n.name}); use --backend trt or ort")
             if n.op_type == "Constant":
                 consts[n.output[0]] = _constant_value(n)
+                continue
+            if n.op_type in HOST_OPS and n.op_type != "Shape" and all(not t or t in consts for t in n.input):
+                # arithmetic on constants only (an exporter's Identity of a shared weight, a Cast):
+                # folded once here, not redone (and copied to the device) at every run
+                consts[n.output[0]] = np.asarray(self._host(n, _attrs(n), {}))
                 continue
             if n.op_type == "Shape" or (n.op_type in HOST_OPS and all(
                     not t or t in consts or t in host for t in n.input)):
@@ -97,7 +103,6 @@ class OnnxProgram:
                                      "constant or computed from tensor shapes (it is computed from tensor "
                                      "values); use --backend trt or ort")
             nodes.append(n)
-        self.consts = consts
         self.host = host
         self.nodes = self._fold_bn(nodes, consts)
         self.w = {k: torch.from_numpy(np.array(v, copy=True)).to(dev) for k, v in consts.items()}
@@ -151,11 +156,17 @@ class OnnxProgram:
                                        tuple(a.get("dilations", [1, 1])))
 
     def _tensor(self, v):
-        """A host value where a tensor is read (a constant folded on the host): on the device."""
+        """A host value where a tensor is read (a size a computation scales by), on the device:
+        made once per value, so the warm-up runs make it and a CUDA graph captured after them
+        reads it (a host-to-device copy cannot be captured)."""
         if not isinstance(v, np.ndarray):
             return v
-        t = self.torch.tensor(v, device=self.dev)
-        return t.to(self.dtype) if t.is_floating_point() else t
+        key = (v.dtype.str, v.shape, v.tobytes())
+        t = self._cache.get(key)
+        if t is None:
+            t = self.torch.tensor(v, device=self.dev)
+            t = self._cache[key] = t.to(self.dtype) if t.is_floating_point() else t
+        return t
 
     def _num(self, name: str, env: dict) -> np.ndarray | None:
         """A numeric input: a constant, or a value the program computed on the host."""
@@ -233,7 +244,7 @@ class OnnxProgram:
         env = dict(self.w)
         env.update(zip(self.inputs, xs, strict=True))
         for n in self.nodes:
-            a = {at.name: helper.get_attribute_value(at) for at in n.attribute}
+            a = _attrs(n)
             if n.output[0] in self.host:
                 env[n.output[0]] = np.asarray(self._host(n, a, env))
                 continue
@@ -345,6 +356,10 @@ class OnnxProgram:
                 y = torch.cat(ins, dim=a.get("axis", 1))
             env[n.output[0]] = y
         return [env[o] for o in self.outputs]
+
+
+def _attrs(n) -> dict[str, Any]:
+    return {at.name: helper.get_attribute_value(at) for at in n.attribute}
 
 
 def _slices(shape, starts, ends, axes=None, steps=None) -> list[tuple[int, range]]:
