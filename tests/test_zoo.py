@@ -233,6 +233,28 @@ def test_multi_tensor_cuts_split_skip_connections(name, tmp_path):
     assert max(part["cut_tensors"]) > 1  # some boundary needs more than one tensor
 
 
+@pytest.mark.parametrize("name", ["fpn", "yolo"])
+def test_a_block_no_cut_can_split_is_named(name, tmp_path, capsys):
+    """At K = 1 the skip connections leave a span of over 40 % of the FLOPs uncuttable: the
+    profile records that block and warns, naming the flag that may split it; at K = 4 (the
+    default) the blocks balance and nothing is reported."""
+    def profile(k: int) -> dict:
+        prof, _ = profile_model(ProfileRequest(model_path=_save(tmp_path, name), out_dir=tmp_path / f"p{k}",
+                                               backend="estimate", gpu="T4", blocks=10, max_batch=1,
+                                               partition_cost="flops", progress=False, verify=False,
+                                               max_cut_tensors=k))
+        return prof.extra["partitioning"]
+
+    part = profile(1)
+    span = part["uncuttable"]
+    assert span["share"] > 0.4 and span["share"] == pytest.approx(max(part["block_cost"]) / sum(part["block_cost"]), abs=1e-3)
+    err = capsys.readouterr().err
+    assert f"block {span['block']} (layers {span['layers'][0]}-{span['layers'][1] - 1}" in err
+    assert "no valid cut inside with at most 1 tensors crossing" in err and "--max-cut-tensors" in err
+    assert "uncuttable" not in profile(4)
+    assert "no valid cut inside" not in capsys.readouterr().err
+
+
 # --- serving: every zoo model through ort executors ------------------------------------------
 
 def _two_partition_model(name: str, prof: Profile) -> dict:

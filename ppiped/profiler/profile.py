@@ -36,7 +36,15 @@ from .backends import BACKENDS, GPU_BACKENDS, Timing
 from .backends import estimate as est
 from .export import Exporter, blocks_from_extra
 from .gpus import GPUS, gpu_spec
-from .graph import DEFAULT_MAX_CUT_TENSORS, ModelGraph, analyze, load_onnx, ort_run, ort_session
+from .graph import (
+    DEFAULT_MAX_CUT_TENSORS,
+    MAX_CUT_TENSORS_LIMIT,
+    ModelGraph,
+    analyze,
+    load_onnx,
+    ort_run,
+    ort_session,
+)
 from .harness import Job, Mps, run_split, timing_dispersion
 from .partition import Block, block_costs, choose_cuts, max_deviation
 
@@ -313,7 +321,28 @@ def _partition(req: ProfileRequest, graph: ModelGraph, work_dir: Path) -> tuple[
     info = {"method": req.method, "cost_source": source, "pieces": len(pieces),
             "max_cut_tensors": req.max_cut_tensors, "cut_tensors": tensors,
             "block_cost": [round(c, 3) for c in bc], "max_deviation_from_mean": round(max_deviation(bc), 4)}
+    span = _uncuttable(graph, blocks, bc)
+    if span is not None:
+        info["uncuttable"] = span
     return blocks, info
+
+
+# A block at least this many times the mean block, with no valid cut inside, is reported.
+UNCUTTABLE_FACTOR = 2.0
+
+
+def _uncuttable(graph: ModelGraph, blocks: Sequence[Block], costs: Sequence[float]) -> dict | None:
+    """The heaviest block when it is far above the mean and no valid cut falls inside it: the
+    plan cannot split it, whatever ``--blocks`` asks (RetinaNet's heads at K = 4: layers 199-383
+    of 383 in one block, 48 % of the model's time on an H100)."""
+    if len(blocks) < 2:
+        return None
+    i = int(np.argmax(costs))
+    mean = sum(costs) / len(costs)
+    b = blocks[i]
+    if not costs[i] >= UNCUTTABLE_FACTOR * mean or any(b.start < c.after + 1 < b.end for c in graph.cuts):
+        return None
+    return {"block": i, "layers": [b.start, b.end], "share": round(costs[i] / sum(costs), 4)}
 
 
 def _block_extra(graph: ModelGraph, blocks: Sequence[Block], name: str) -> list[dict[str, Any]]:
@@ -485,6 +514,13 @@ def _profile_into(req: ProfileRequest, graph: ModelGraph, existing: Profile | No
     else:
         blocks, part_info = _partition(req, graph, model_dir / "pieces")
     check_ranges(req.partitions, len(blocks))
+    span = part_info.get("uncuttable")
+    if span and "blocks" not in (existing.extra if existing is not None else {}):
+        more = (f"a larger --max-cut-tensors (now {req.max_cut_tensors}, at most {MAX_CUT_TENSORS_LIMIT}) may "
+                "cut it" if req.max_cut_tensors < MAX_CUT_TENSORS_LIMIT else "no cut limit splits it")
+        print(f"ppiped profile: warning: block {span['block']} (layers {span['layers'][0]}-{span['layers'][1] - 1} "
+              f"of {len(graph.layers)}) takes {100 * span['share']:.0f} % of the model's cost and has no valid "
+              f"cut inside with at most {req.max_cut_tensors} tensors crossing: plans cannot split it; {more}", file=sys.stderr)
     exporter = Exporter(graph.model, blocks)
     files = []
     for b in blocks:
