@@ -444,7 +444,8 @@ def test_frames_past_the_tensor_cap_are_neither_received_nor_sent(sched, tmp_pat
     pusher = sched.ctx.socket(zmq.PUSH)
     pusher.setsockopt(zmq.LINGER, 0)
     pusher.connect(directory[1])
-    pusher.send_multipart([wire.forward(100, [0, 1], [0, 0], 1, [50], None, DATA_KEY), b"x" * (4 * cap)])
+    big = wire.MAX_HEADER_BYTES + wire.FRAME_SLACK + 1  # (no socket takes less than a header)
+    pusher.send_multipart([wire.forward(100, [0, 1], [0, 0], 1, [50], None, DATA_KEY), b"x" * big])
     with pytest.raises(AssertionError):  # dropped before it ran
         sched.recv(T.RESULT, timeout_s=0.5)
     pusher.send_multipart([wire.forward(101, [0, 1], [0, 0], 1, [51], None, DATA_KEY), b"small"])

@@ -449,7 +449,7 @@ class Server:
                                      max_frame=max(cfg.max_payload_bytes, wire.MAX_HEADER_BYTES),
                                      domain="client", unlimited=True)
             self.exe = self._bind(zmq.ROUTER, cfg.executor, "endpoints.executor", mandatory=True,
-                                  max_frame=self.tensor_cap, domain="executor")
+                                  max_frame=max(self.tensor_cap, wire.MAX_HEADER_BYTES), domain="executor")
             self.ctl = self._bind(zmq.ROUTER, cfg.ctl, "endpoints.ctl", max_frame=wire.MAX_HEADER_BYTES,
                                   domain="ctl")
         except ConfigError:

@@ -290,7 +290,7 @@ class Executor:
         self.data = self.zctx.socket(zmq.PULL)
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.setsockopt(zmq.RCVHWM, 100_000)
-        self.data.setsockopt(zmq.MAXMSGSIZE, self.tensor_cap + wire.FRAME_SLACK)
+        self.data.setsockopt(zmq.MAXMSGSIZE, max(self.tensor_cap, wire.MAX_HEADER_BYTES) + wire.FRAME_SLACK)
         serve(self.data, sec, "data", sec.own)
         path = ipc_path(self.data_endpoint)
         why = ipc_taken(path) if path else None

@@ -305,15 +305,15 @@ class OnnxProgram:
                     if r.step > 0:  # (torch slices with positive steps only)
                         y = y.narrow(ax, r.start, max(r.stop - r.start, 0))[(slice(None),) * ax + (slice(None, None, r.step),)]
                     else:
-                        y = y.index_select(ax, torch.tensor(r, dtype=torch.long, device=y.device))
+                        y = y.index_select(ax, self._tensor(np.asarray(r, dtype=np.int64)))
             elif op == "Gather":
                 idx = self._num(n.input[1], env)
                 ax = a.get("axis", 0) % ins[0].dim()
                 if idx.ndim == 0:
                     y = ins[0].select(ax, int(idx) % ins[0].shape[ax])
                 else:
-                    t = torch.as_tensor(np.where(idx < 0, idx + ins[0].shape[ax], idx), device=ins[0].device)
-                    y = ins[0].index_select(ax, t.reshape(-1)).reshape(
+                    t = self._tensor(np.where(idx < 0, idx + ins[0].shape[ax], idx).astype(np.int64).reshape(-1))
+                    y = ins[0].index_select(ax, t).reshape(
                         *ins[0].shape[:ax], *idx.shape, *ins[0].shape[ax + 1:])
             elif op == "BatchNormalization":
                 y = F.batch_norm(ins[0], ins[3], ins[4], ins[1], ins[2], False, 0.0, a.get("epsilon", 1e-5))
