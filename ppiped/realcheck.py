@@ -1,5 +1,5 @@
-"""Real inference of a cut model: its partitions served by ``ort`` executors on this host's CPU,
-every output compared with the whole model run by ONNX Runtime.
+"""Real inference of a cut model: its partitions served by real executors (``ort`` on this host's
+CPU by default, or a GPU backend), every output compared with the whole model run by ONNX Runtime.
 
 A plan is only worth serving if its pipeline computes what the model computes: activations cross
 each cut in fp16, so a pipeline's output differs from the whole model's by a rounding error, and
@@ -60,6 +60,7 @@ class RealCheck:
     equal: bool = False
     tolerance: float = TOLERANCE
     errors: list[str] = field(default_factory=list)
+    backend: str = "ort"
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -73,9 +74,10 @@ class RealCheck:
 
 
 def serve_and_compare(work: Path, profile_path: Path, partitions: Sequence[Cut], frames: int = 8,
-                      seed: int = 2, batch_size: int = 2, tolerance: float = TOLERANCE) -> RealCheck:
+                      seed: int = 2, batch_size: int = 2, tolerance: float = TOLERANCE,
+                      backend: str = "ort") -> RealCheck:
     """Serve ``partitions`` of the model profiled at ``profile_path`` (the executors cut them from
-    the model file the profile names) with ``ort`` executors, one process per partition, submit
+    the model file the profile names) with ``backend`` executors, one process per partition, submit
     ``frames`` seeded frames shaped as the scheduler announces the input, and compare every
     output with the whole model. ``work`` must be short (ipc socket paths)."""
     import onnxruntime as ort
@@ -87,7 +89,7 @@ def serve_and_compare(work: Path, profile_path: Path, partitions: Sequence[Cut],
     model_path = Path(profile_path).parent / profile.extra["onnx"]
     plan = work / "real-plan.json"
     plan.write_text(json.dumps(one_vgpu_plan(profile, partitions, batch_size)))
-    cfg = write_config(work, plan, Path(profile_path).parent, backend="ort",
+    cfg = write_config(work, plan, Path(profile_path).parent, backend=backend,
                        scheduler={"wait_guard_us": 1e6})
     n = len(partitions)
     with LocalCluster(cfg, split_groups(n, n), log_dir=work) as c, \
@@ -95,7 +97,7 @@ def serve_and_compare(work: Path, profile_path: Path, partitions: Sequence[Cut],
         shape = list(cl.info()["models"][profile.model]["input"]["shape"])
         x = np.random.default_rng(seed).standard_normal((frames, *shape)).astype(np.float32)
         out = cl.submit_many(profile.model, [xi.tobytes() for xi in x])
-    check = RealCheck(list(partitions), frames, shape, tolerance=tolerance)
+    check = RealCheck(list(partitions), frames, shape, tolerance=tolerance, backend=backend)
     sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
     want = sess.run(None, {sess.get_inputs()[0].name: x})
     worst = -1.0
@@ -119,7 +121,8 @@ def serve_and_compare(work: Path, profile_path: Path, partitions: Sequence[Cut],
 def format_check(c: RealCheck) -> str:
     """One line: which cut ran where, and whether it equals the whole model."""
     path = " → ".join(f"[{a},{b}) {g}" for (a, b), g in c.partitions)
-    head = f"real inference: partitions {path} served by ONNX Runtime on this CPU: {c.frames} frames"
+    where = "ONNX Runtime on this CPU" if c.backend == "ort" else f"{c.backend} executors"
+    head = f"real inference: partitions {path} served by {where}: {c.frames} frames"
     if c.errors:
         more = f" (and {len(c.errors) - 1} more)" if len(c.errors) > 1 else ""
         return f"{head}, FAILED: {c.errors[0]}{more}"
