@@ -116,6 +116,29 @@ def welcome(sched, ident, vgpus, data_key=DATA_KEY):
     sched.recv(T.HEARTBEAT)
 
 
+def chain(sched, cfg, tmp_path):
+    """Executors of vGPUs 0 and 1 registered, told each other's data ports and welcomed:
+    (processes, ZeroMQ identities by vGPU, data endpoints by vGPU)."""
+    procs = [sched.spawn(cfg, "0"), sched.spawn(cfg, "1")]
+    idents = {}
+    for _ in range(2):
+        ident, h, _ = sched.recv(T.REGISTER)
+        idents[h.vgpus[0]] = ident
+    directory = {0: f"ipc://{tmp_path}/data-0.sock", 1: f"ipc://{tmp_path}/data-1.sock"}
+    for v in (0, 1):
+        sched.send(idents[v], wire.peers(directory))
+        welcome(sched, idents[v], [v])
+    return procs, idents, directory
+
+
+def pusher_to(sched, endpoint):
+    """A process on the host pushing straight into an executor's data port."""
+    s = sched.ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    return s
+
+
 def test_emulate_two_processes_in_reservation_order(sched, tmp_path):
     """With executors bounded to their reservations (start_early_us = 0; the default, inf,
     starts a batch as soon as the vGPU is free)."""
@@ -156,18 +179,8 @@ def test_a_forward_without_the_data_key_is_refused_and_the_chain_still_runs(sche
     wrong one) pushes FORWARDs: none runs (no RESULT for them, the executor logs them refused),
     while the genuine chain 0 -> 1, whose executors were told the key, answers its batch."""
     cfg = write_config(tmp_path)
-    procs = [sched.spawn(cfg, "0"), sched.spawn(cfg, "1")]
-    idents = {}
-    for _ in range(2):
-        ident, h, _ = sched.recv(T.REGISTER)
-        idents[h.vgpus[0]] = ident
-    directory = {0: f"ipc://{tmp_path}/data-0.sock", 1: f"ipc://{tmp_path}/data-1.sock"}
-    for v in (0, 1):
-        sched.send(idents[v], wire.peers(directory))
-        welcome(sched, idents[v], [v])
-    intruder = sched.ctx.socket(zmq.PUSH)
-    intruder.setsockopt(zmq.LINGER, 0)
-    intruder.connect(directory[1])
+    procs, idents, directory = chain(sched, cfg, tmp_path)
+    intruder = pusher_to(sched, directory[1])
     for k, key in enumerate((b"", b"x" * 16, DATA_KEY[:-1] + b"?")):
         intruder.send_multipart([wire.forward(100 + k, [0, 1], [0, 0], 1, [50 + k], None, key), b"forged"])
     sched.send(idents[0], wire.dispatch(7, [0, 1], [0, 0], [1]), b"genuine")
@@ -432,18 +445,8 @@ def test_frames_past_the_tensor_cap_are_neither_received_nor_sent(sched, tmp_pat
     socket would drop without a word."""
     cap = 64 << 10
     cfg = write_config(tmp_path, extra=f"[limits]\nmax_tensor_bytes = {cap}\n")
-    procs = [sched.spawn(cfg, "0"), sched.spawn(cfg, "1")]
-    idents = {}
-    for _ in range(2):
-        ident, h, _ = sched.recv(T.REGISTER)
-        idents[h.vgpus[0]] = ident
-    directory = {0: f"ipc://{tmp_path}/data-0.sock", 1: f"ipc://{tmp_path}/data-1.sock"}
-    for v in (0, 1):
-        sched.send(idents[v], wire.peers(directory))
-        welcome(sched, idents[v], [v])
-    pusher = sched.ctx.socket(zmq.PUSH)
-    pusher.setsockopt(zmq.LINGER, 0)
-    pusher.connect(directory[1])
+    procs, idents, directory = chain(sched, cfg, tmp_path)
+    pusher = pusher_to(sched, directory[1])
     big = wire.MAX_HEADER_BYTES + wire.FRAME_SLACK + 1  # (no socket takes less than a header)
     pusher.send_multipart([wire.forward(100, [0, 1], [0, 0], 1, [50], None, DATA_KEY), b"x" * big])
     with pytest.raises(AssertionError):  # dropped before it ran
