@@ -121,3 +121,12 @@ def test_a_shape_computed_from_tensor_values_is_refused_by_name():
     m = _model(nodes, {"rest": _i64(-1)}, 2)
     with pytest.raises(InputError, match="Reshape node data_reshape .* computed from tensor values"):
         OnnxProgram(m, torch, torch.nn.functional, device="cpu", dtype=torch.float32)
+
+
+def test_a_node_that_fails_at_run_time_is_named():
+    """A broken export (a Reshape to a size the tensor does not have) fails as a one-line error
+    naming the node, not as a torch traceback from inside the interpreter."""
+    m = _model([helper.make_node("Reshape", ["x", "shape"], ["y"], name="bad_reshape")], {"shape": _i64(7, -1)}, 2)
+    prog = OnnxProgram(m, torch, torch.nn.functional, device="cpu", dtype=torch.float32)
+    with pytest.raises(InputError, match="failed on Reshape node bad_reshape: RuntimeError"):
+        prog.run(torch.zeros((1, C, H, W)))

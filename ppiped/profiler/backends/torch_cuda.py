@@ -238,124 +238,133 @@ class OnnxProgram:
 
     def run(self, *xs):
         """The outputs for one tensor per input, in the graph's input order."""
-        torch, F = self.torch, self.F
         if len(xs) != len(self.inputs):
             raise InputError(f"the block takes {len(self.inputs)} input tensor(s), got {len(xs)}")
         env = dict(self.w)
         env.update(zip(self.inputs, xs, strict=True))
         for n in self.nodes:
-            a = _attrs(n)
-            if n.output[0] in self.host:
-                env[n.output[0]] = np.asarray(self._host(n, a, env))
-                continue
-            ins = [self._tensor(env[t]) if t else None for t in n.input]
-            op = n.op_type
-            if op == "Conv":
-                pads = list(a.get("pads", [0, 0, 0, 0]))
-                h = len(pads) // 2
-                x0 = ins[0]
-                if pads[:h] != pads[h:]:
-                    x0 = F.pad(x0, [p for i in reversed(range(h)) for p in (pads[i], pads[i + h])])
-                    pads = [0] * (2 * h)
-                y = F.conv2d(x0, ins[1], ins[2] if len(ins) > 2 else None, tuple(a.get("strides", [1, 1])),
-                             tuple(pads[:h]), tuple(a.get("dilations", [1, 1])), a.get("group", 1))
-            elif op == "ConvTranspose":
-                y = self._conv_transpose(n, a, ins)
-            elif op == "Resize":
-                y = self._resize(n, a, ins[0], env)
-            elif op == "Reshape":
-                shape = [int(d) for d in self._num(n.input[1], env)]
-                if not a.get("allowzero", 0):
-                    shape = [ins[0].shape[i] if d == 0 else d for i, d in enumerate(shape)]
-                y = torch.reshape(ins[0], shape)
-            elif op == "Transpose":
-                y = ins[0].permute(*a.get("perm", range(ins[0].dim() - 1, -1, -1)))
-            elif op == "Softmax":
-                y = torch.softmax(ins[0], a.get("axis", -1))
-            elif op == "LayerNormalization":
-                ax = a.get("axis", -1) % ins[0].dim()
-                y = F.layer_norm(ins[0], tuple(ins[0].shape[ax:]), ins[1], ins[2] if len(ins) > 2 else None,
-                                 a.get("epsilon", 1e-5))
-            elif op in ("Squeeze", "Unsqueeze"):
-                axes = [int(v) for v in self._num(n.input[1], env)] if len(n.input) > 1 and n.input[1] \
-                    else list(a.get("axes", []))
-                y = ins[0]
-                if op == "Squeeze":
-                    axes = sorted((x % y.dim() for x in axes), reverse=True) or \
-                        [i for i in range(y.dim() - 1, -1, -1) if y.shape[i] == 1]
-                    for x in axes:
-                        y = y.squeeze(x)
-                else:
-                    out_dim = y.dim() + len(axes)
-                    for x in sorted(x % out_dim for x in axes):
-                        y = y.unsqueeze(x)
-            elif op == "Erf":
-                y = torch.erf(ins[0])
-            elif op == "ReduceMean":
-                axes = [int(v) for v in self._num(n.input[1], env)] if len(n.input) > 1 and n.input[1] \
-                    else list(a.get("axes", []))
-                if not axes and a.get("noop_with_empty_axes", 0):
-                    y = ins[0]
-                else:
-                    y = ins[0].mean(dim=tuple(axes) or None, keepdim=bool(a.get("keepdims", 1))) if axes \
-                        else ins[0].mean().reshape([1] * ins[0].dim() if a.get("keepdims", 1) else [])
-            elif op == "Slice":
-                y = ins[0]
-                for ax, r in _slices(y.shape, *(self._num(t, env) if t else None for t in n.input[1:5])):
-                    if r.step > 0:  # (torch slices with positive steps only)
-                        y = y.narrow(ax, r.start, max(r.stop - r.start, 0))[(slice(None),) * ax + (slice(None, None, r.step),)]
-                    else:
-                        y = y.index_select(ax, self._tensor(np.asarray(r, dtype=np.int64)))
-            elif op == "Gather":
-                idx = self._num(n.input[1], env)
-                ax = a.get("axis", 0) % ins[0].dim()
-                if idx.ndim == 0:
-                    y = ins[0].select(ax, int(idx) % ins[0].shape[ax])
-                else:
-                    t = self._tensor(np.where(idx < 0, idx + ins[0].shape[ax], idx).astype(np.int64).reshape(-1))
-                    y = ins[0].index_select(ax, t).reshape(
-                        *ins[0].shape[:ax], *idx.shape, *ins[0].shape[ax + 1:])
-            elif op == "BatchNormalization":
-                y = F.batch_norm(ins[0], ins[3], ins[4], ins[1], ins[2], False, 0.0, a.get("epsilon", 1e-5))
-            elif op == "Relu":
-                y = F.relu(ins[0])
-            elif op in ("Add", "Sub", "Mul", "Div"):
-                y = {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": torch.div}[op](ins[0], ins[1])
-            elif op in ("MaxPool", "AveragePool"):
-                k = tuple(a["kernel_shape"])
-                pads = list(a.get("pads", [0] * 2 * len(k)))
-                fn = F.max_pool2d if op == "MaxPool" else F.avg_pool2d
-                y = fn(ins[0], k, tuple(a.get("strides", k)), tuple(pads[:len(k)]), ceil_mode=bool(a.get("ceil_mode", 0)))
-            elif op == "GlobalAveragePool":
-                y = ins[0].mean(dim=(2, 3), keepdim=True)
-            elif op == "Flatten":
-                y = torch.flatten(ins[0], a.get("axis", 1))
-            elif op == "Gemm":
-                aa = ins[0].t() if a.get("transA", 0) else ins[0]
-                bb = ins[1].t() if a.get("transB", 0) else ins[1]
-                y = a.get("alpha", 1.0) * (aa @ bb)
-                if len(ins) > 2 and ins[2] is not None:
-                    y = y + a.get("beta", 1.0) * ins[2]
-            elif op == "MatMul":
-                y = ins[0] @ ins[1]
-            elif op in ("Cast", "Identity"):
-                y = ins[0]  # everything runs in fp16, as an fp16 engine does
-            elif op == "Sigmoid":
-                y = torch.sigmoid(ins[0])
-            elif op == "Tanh":
-                y = torch.tanh(ins[0])
-            elif op == "HardSigmoid":
-                y = torch.clamp(a.get("alpha", 0.2) * ins[0] + a.get("beta", 0.5), 0, 1)
-            elif op == "HardSwish":
-                y = F.hardswish(ins[0])
-            elif op == "Clip":
-                lo = ins[1] if len(ins) > 1 and ins[1] is not None else a.get("min")
-                hi = ins[2] if len(ins) > 2 and ins[2] is not None else a.get("max")
-                y = torch.clamp(ins[0], lo, hi)
-            else:  # Concat
-                y = torch.cat(ins, dim=a.get("axis", 1))
-            env[n.output[0]] = y
+            try:
+                env[n.output[0]] = self._node(n, env)
+            except InputError:
+                raise
+            except Exception as e:  # noqa: BLE001 - named, so a failing export says where
+                raise InputError(f"the torch backend failed on {n.op_type} node {n.name or n.output[0]}: "
+                                 f"{type(e).__name__}: {e}") from e
         return [env[o] for o in self.outputs]
+
+    def _node(self, n, env: dict):
+        """One node's output: on the host for shape arithmetic, else a torch call on the device."""
+        torch, F = self.torch, self.F
+        a = _attrs(n)
+        if n.output[0] in self.host:
+            return np.asarray(self._host(n, a, env))
+        ins = [self._tensor(env[t]) if t else None for t in n.input]
+        op = n.op_type
+        if op == "Conv":
+            pads = list(a.get("pads", [0, 0, 0, 0]))
+            h = len(pads) // 2
+            x0 = ins[0]
+            if pads[:h] != pads[h:]:
+                x0 = F.pad(x0, [p for i in reversed(range(h)) for p in (pads[i], pads[i + h])])
+                pads = [0] * (2 * h)
+            y = F.conv2d(x0, ins[1], ins[2] if len(ins) > 2 else None, tuple(a.get("strides", [1, 1])),
+                         tuple(pads[:h]), tuple(a.get("dilations", [1, 1])), a.get("group", 1))
+        elif op == "ConvTranspose":
+            y = self._conv_transpose(n, a, ins)
+        elif op == "Resize":
+            y = self._resize(n, a, ins[0], env)
+        elif op == "Reshape":
+            shape = [int(d) for d in self._num(n.input[1], env)]
+            if not a.get("allowzero", 0):
+                shape = [ins[0].shape[i] if d == 0 else d for i, d in enumerate(shape)]
+            y = torch.reshape(ins[0], shape)
+        elif op == "Transpose":
+            y = ins[0].permute(*a.get("perm", range(ins[0].dim() - 1, -1, -1)))
+        elif op == "Softmax":
+            y = torch.softmax(ins[0], a.get("axis", -1))
+        elif op == "LayerNormalization":
+            ax = a.get("axis", -1) % ins[0].dim()
+            y = F.layer_norm(ins[0], tuple(ins[0].shape[ax:]), ins[1], ins[2] if len(ins) > 2 else None,
+                             a.get("epsilon", 1e-5))
+        elif op in ("Squeeze", "Unsqueeze"):
+            axes = [int(v) for v in self._num(n.input[1], env)] if len(n.input) > 1 and n.input[1] \
+                else list(a.get("axes", []))
+            y = ins[0]
+            if op == "Squeeze":
+                axes = sorted((x % y.dim() for x in axes), reverse=True) or \
+                    [i for i in range(y.dim() - 1, -1, -1) if y.shape[i] == 1]
+                for x in axes:
+                    y = y.squeeze(x)
+            else:
+                out_dim = y.dim() + len(axes)
+                for x in sorted(x % out_dim for x in axes):
+                    y = y.unsqueeze(x)
+        elif op == "Erf":
+            y = torch.erf(ins[0])
+        elif op == "ReduceMean":
+            axes = [int(v) for v in self._num(n.input[1], env)] if len(n.input) > 1 and n.input[1] \
+                else list(a.get("axes", []))
+            if not axes and a.get("noop_with_empty_axes", 0):
+                y = ins[0]
+            else:
+                y = ins[0].mean(dim=tuple(axes) or None, keepdim=bool(a.get("keepdims", 1))) if axes \
+                    else ins[0].mean().reshape([1] * ins[0].dim() if a.get("keepdims", 1) else [])
+        elif op == "Slice":
+            y = ins[0]
+            for ax, r in _slices(y.shape, *(self._num(t, env) if t else None for t in n.input[1:5])):
+                if r.step > 0:  # (torch slices with positive steps only)
+                    y = y.narrow(ax, r.start, max(r.stop - r.start, 0))[(slice(None),) * ax + (slice(None, None, r.step),)]
+                else:
+                    y = y.index_select(ax, self._tensor(np.asarray(r, dtype=np.int64)))
+        elif op == "Gather":
+            idx = self._num(n.input[1], env)
+            ax = a.get("axis", 0) % ins[0].dim()
+            if idx.ndim == 0:
+                y = ins[0].select(ax, int(idx) % ins[0].shape[ax])
+            else:
+                t = self._tensor(np.where(idx < 0, idx + ins[0].shape[ax], idx).astype(np.int64).reshape(-1))
+                y = ins[0].index_select(ax, t).reshape(
+                    *ins[0].shape[:ax], *idx.shape, *ins[0].shape[ax + 1:])
+        elif op == "BatchNormalization":
+            y = F.batch_norm(ins[0], ins[3], ins[4], ins[1], ins[2], False, 0.0, a.get("epsilon", 1e-5))
+        elif op == "Relu":
+            y = F.relu(ins[0])
+        elif op in ("Add", "Sub", "Mul", "Div"):
+            y = {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": torch.div}[op](ins[0], ins[1])
+        elif op in ("MaxPool", "AveragePool"):
+            k = tuple(a["kernel_shape"])
+            pads = list(a.get("pads", [0] * 2 * len(k)))
+            fn = F.max_pool2d if op == "MaxPool" else F.avg_pool2d
+            y = fn(ins[0], k, tuple(a.get("strides", k)), tuple(pads[:len(k)]), ceil_mode=bool(a.get("ceil_mode", 0)))
+        elif op == "GlobalAveragePool":
+            y = ins[0].mean(dim=(2, 3), keepdim=True)
+        elif op == "Flatten":
+            y = torch.flatten(ins[0], a.get("axis", 1))
+        elif op == "Gemm":
+            aa = ins[0].t() if a.get("transA", 0) else ins[0]
+            bb = ins[1].t() if a.get("transB", 0) else ins[1]
+            y = a.get("alpha", 1.0) * (aa @ bb)
+            if len(ins) > 2 and ins[2] is not None:
+                y = y + a.get("beta", 1.0) * ins[2]
+        elif op == "MatMul":
+            y = ins[0] @ ins[1]
+        elif op in ("Cast", "Identity"):
+            y = ins[0]  # everything runs in fp16, as an fp16 engine does
+        elif op == "Sigmoid":
+            y = torch.sigmoid(ins[0])
+        elif op == "Tanh":
+            y = torch.tanh(ins[0])
+        elif op == "HardSigmoid":
+            y = torch.clamp(a.get("alpha", 0.2) * ins[0] + a.get("beta", 0.5), 0, 1)
+        elif op == "HardSwish":
+            y = F.hardswish(ins[0])
+        elif op == "Clip":
+            lo = ins[1] if len(ins) > 1 and ins[1] is not None else a.get("min")
+            hi = ins[2] if len(ins) > 2 and ins[2] is not None else a.get("max")
+            y = torch.clamp(ins[0], lo, hi)
+        else:  # Concat
+            y = torch.cat(ins, dim=a.get("axis", 1))
+        return y
 
 
 def _attrs(n) -> dict[str, Any]:
