@@ -214,3 +214,30 @@ def test_ppipe_starts_from_the_np_plan_it_contains(shared_profiles):
     assert check(pp, shared_profiles) == []
     assert pp.normalized_throughput >= np_plan.normalized_throughput * (1 - REL)
     assert pp.solver["bound"] >= pp.normalized_throughput * (1 - REL)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(1, 60), st.floats(0.01, 100.0, allow_nan=False), min_size=1, max_size=40),
+       st.integers(1, 300))
+def test_items_beaten_by_copies_of_another_never_change_the_knapsack(items, total):
+    """The knapsack bound drops items that whole copies of a better-ratio item beat: its table
+    (the most throughput each budget buys) must be the same as with every item."""
+    from ppiped.planner.bounds import _unbounded_knapsack, _undominated_by_copies
+
+    cost = np.array(sorted(items), dtype=np.int64)  # one item per cost, sorted, as _items gives them
+    gain = np.array([items[c] for c in cost])
+    keep = _undominated_by_copies(cost, gain)
+    assert keep.any()
+    full, _ = _unbounded_knapsack(cost, gain, total)
+    pruned, arg = _unbounded_knapsack(cost[keep], gain[keep], total)
+    np.testing.assert_allclose(pruned, full, rtol=1e-12, atol=0)
+    u = total  # what the pruned table bought adds up to its value
+    got = 0.0
+    while u > 0:
+        i = int(arg[u])
+        if i < 0:
+            u -= 1
+            continue
+        got += gain[keep][i]
+        u -= int(cost[keep][i])
+    assert got == pytest.approx(pruned[total], rel=1e-12)
