@@ -340,7 +340,8 @@ def _uncuttable(graph: ModelGraph, blocks: Sequence[Block], costs: Sequence[floa
     i = int(np.argmax(costs))
     mean = sum(costs) / len(costs)
     b = blocks[i]
-    if not costs[i] >= UNCUTTABLE_FACTOR * mean or any(b.start < c.after + 1 < b.end for c in graph.cuts):
+    if not (mean > 0 and costs[i] >= UNCUTTABLE_FACTOR * mean) or any(
+            b.start < c.after + 1 < b.end for c in graph.cuts):
         return None
     return {"block": i, "layers": [b.start, b.end], "share": round(costs[i] / sum(costs), 4)}
 
