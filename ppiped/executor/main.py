@@ -609,7 +609,8 @@ class Executor:
         first = not self.registered
         self.registered = True
         if first:
-            log.info("ready", vgpus=format_ranges(list(self.workers)))
+            log.info("ready", vgpus=format_ranges(list(self.workers)), max_tensor_bytes=self.tensor_cap,
+                     max_tensor_bytes_from=self.tensor_cap_from)
             self.hb_gen += 1
             self.heartbeat(self.hb_gen)
 
