@@ -175,6 +175,12 @@ class OnnxProgram:
         v = env.get(name)
         return v if isinstance(v, np.ndarray) else None
 
+    def _axes(self, n, a: dict, env: dict) -> list[int]:
+        """Squeeze/Unsqueeze/ReduceMean axes: the input (opset 13/18 on) or the attribute."""
+        if len(n.input) > 1 and n.input[1]:
+            return [int(v) for v in self._num(n.input[1], env)]
+        return list(a.get("axes", []))
+
     def _host(self, n, a: dict, env: dict) -> np.ndarray:
         """One shape-arithmetic node on the host (numpy), ONNX semantics."""
         op = n.op_type
@@ -192,7 +198,7 @@ class OnnxProgram:
         if op == "Concat":
             return np.concatenate([np.atleast_1d(v) for v in ins], axis=a.get("axis", 0))
         if op in ("Unsqueeze", "Squeeze"):
-            axes = [int(v) for v in ins[1]] if len(ins) > 1 and ins[1] is not None else list(a.get("axes", []))
+            axes = self._axes(n, a, env)
             if op == "Unsqueeze":
                 out = x.ndim + len(axes)
                 return np.expand_dims(x, tuple(sorted(v % out for v in axes)))
@@ -287,8 +293,7 @@ class OnnxProgram:
             y = F.layer_norm(ins[0], tuple(ins[0].shape[ax:]), ins[1], ins[2] if len(ins) > 2 else None,
                              a.get("epsilon", 1e-5))
         elif op in ("Squeeze", "Unsqueeze"):
-            axes = [int(v) for v in self._num(n.input[1], env)] if len(n.input) > 1 and n.input[1] \
-                else list(a.get("axes", []))
+            axes = self._axes(n, a, env)
             y = ins[0]
             if op == "Squeeze":
                 axes = sorted((x % y.dim() for x in axes), reverse=True) or \
@@ -302,13 +307,11 @@ class OnnxProgram:
         elif op == "Erf":
             y = torch.erf(ins[0])
         elif op == "ReduceMean":
-            axes = [int(v) for v in self._num(n.input[1], env)] if len(n.input) > 1 and n.input[1] \
-                else list(a.get("axes", []))
+            axes = self._axes(n, a, env)
             if not axes and a.get("noop_with_empty_axes", 0):
                 y = ins[0]
             else:
-                y = ins[0].mean(dim=tuple(axes) or None, keepdim=bool(a.get("keepdims", 1))) if axes \
-                    else ins[0].mean().reshape([1] * ins[0].dim() if a.get("keepdims", 1) else [])
+                y = ins[0].mean(dim=tuple(axes or range(ins[0].dim())), keepdim=bool(a.get("keepdims", 1)))
         elif op == "Slice":
             y = ins[0]
             for ax, r in _slices(y.shape, *(self._num(t, env) if t else None for t in n.input[1:5])):
