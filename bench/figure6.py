@@ -1,6 +1,7 @@
 """Reproduce PPipe's Figure 6 on the simulator: max load factor at 99% attainment, per system.
 
-For every maf21 reference configuration (48 in the shared data set) and every trace (Poisson,
+For every reference configuration of a plan set (``--plan-set``, default maf21: 48 in the shared
+data set; any folder of PPipe reference files, single-model ones included) and every trace (Poisson,
 bursty with cv 2), the largest load factor at which every model keeps >= 99% SLO attainment, for
 
 * PPipe   = the ``_v4`` plan under our ``ppipe`` policy (reservation-based batching),
@@ -104,11 +105,23 @@ def paper_per_model(spec, target: float) -> list[float]:
     return [found.get(i, 0.0) for i in range(n or 0)]
 
 
-def short_name(config: str) -> str:
-    """'apcnet+atss+gcnet 0.39-0.26-0.35 L4-P4' from a reference file name stem."""
-    from ppiped.plan import reference_name_info
+def plan_set_dir(data: Path, plan_set: str) -> Path:
+    """``--plan-set``: a folder of reference plans, or the name of one under ``data/reference-plans``."""
+    p = Path(plan_set)
+    return p if p.is_dir() or len(p.parts) > 1 else data / "reference-plans" / plan_set
 
-    info = reference_name_info(config + "_v4.json")
+
+def short_name(config: str) -> str:
+    """'apcnet+atss+gcnet 0.39-0.26-0.35 L4-P4' from a reference file name stem (a single-model
+    file, whose name has no weights, keeps its first 44 characters)."""
+    from ppiped.plan import PlanError, reference_name_info
+
+    try:
+        info = reference_name_info(config + "_v4.json")
+    except PlanError:
+        info = {"weights": None}
+    if info["weights"] is None:
+        return config if len(config) <= 44 else config[:43] + "…"
     head = config.split("_" + "-".join(f"{w:g}" if w != 1 else "1.0" for w in info["weights"]))[0]
     models = []
     for part in head.split("-"):
@@ -123,6 +136,8 @@ def short_name(config: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="the PPipe data set (models/, reference-plans/)")
+    ap.add_argument("--plan-set", default="maf21",
+                    help="reference plans: a folder name under DATA/reference-plans, or a path (default maf21)")
     ap.add_argument("--duration", type=float, default=30.0, help="simulated seconds per run (default 30)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jitter", default="0,0.05,0.1",
@@ -161,13 +176,17 @@ def main(argv: list[str] | None = None) -> int:
     args.jitter = jitters[0]
 
     data = Path(args.data)
-    plans_dir, models_dir = data / "reference-plans" / "maf21", data / "models"
+    plans_dir, models_dir = plan_set_dir(data, args.plan_set), data / "models"
     if not plans_dir.is_dir() or not models_dir.is_dir():
-        print(f"figure6: {data} has no reference-plans/maf21 or models/: nothing to do (skipped)", file=sys.stderr)
+        print(f"figure6: no plan set {plans_dir} or no {models_dir}: nothing to do (skipped)", file=sys.stderr)
         return 0
     configs = sorted(p.name[: -len("_v4.json")] for p in plans_dir.glob("*_v4.json") if args.match in p.name)
     if args.limit:
         configs = configs[: args.limit]
+    if not configs:
+        print(f"figure6: error: no *_v4.json plans in {plans_dir}"
+              + (f" whose name contains {args.match!r}" if args.match else ""), file=sys.stderr)
+        return 2
     traces = [t for t in args.traces.split(",") if t]
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
@@ -217,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                "seed": args.seed, "bursty_cv": args.cv, "jitter_sigma": args.jitter,
                "start_early_us": args.start_early_us, "nic_model": not args.no_nic,
                "target": args.target, "means": means, "paper": PAPER,
-               "ppipe_over_np": {tr: _ratio(means[tr].get("PPipe"), means[tr].get("NP")) for tr in traces},
+               "ppipe_over_np": {tr: _paired_ratio(table[tr].get("PPipe"), table[tr].get("NP")) for tr in traces},
                "paper_metric_means": paper_means,
                "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "jobs": args.jobs}
 
@@ -286,6 +305,14 @@ def _ratio(a: float | None, b: float | None) -> float:
     return a / b if a is not None and b else math.nan
 
 
+def _paired_ratio(a: list[float] | None, b: list[float] | None) -> float:
+    """Mean of ``a`` over mean of ``b``, over the configurations both systems have a plan for."""
+    if not a or not b:
+        return math.nan
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if not (math.isnan(x) or math.isnan(y))]
+    return _ratio(_mean([x for x, _ in pairs]), _mean([y for _, y in pairs])) if pairs else math.nan
+
+
 def _table(names, table, traces, systems, means) -> str:
     w = max(len(n) for n in names)
     head = f"{'configuration':<{w}}  " + "   ".join(
@@ -307,7 +334,7 @@ def _plots(args, configs, names, table, traces, systems, plans_dir, models_dir, 
 
     paths = [str(plot_max_load({tr: table[tr] for tr in traces}, names, out / "figure6.png",
                                title=f"max load factor at {100 * args.target:g}% attainment "
-                                     f"({len(configs)} maf21 configurations, jitter σ={args.jitter:g})"))]
+                                     f"({len(configs)} {plans_dir.name} configurations, jitter σ={args.jitter:g})"))]
     c = configs[min(args.curve_config, len(configs) - 1)]
     tr = traces[0]
     curves = {}

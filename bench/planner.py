@@ -96,15 +96,25 @@ class Case:
 # --------------------------------------------------------------------------- shared helpers
 
 
-def configurations() -> list[str]:
-    """One stem per maf21 configuration: the reference file name without ``_<algo>.json``."""
-    return sorted({p.name[: -len("_v4.json")] for p in REF_DIR.glob("*_v4.json")})
+def configurations(refs: Path = REF_DIR) -> list[str]:
+    """One stem per configuration of a plan set: the reference file name without ``_<algo>.json``."""
+    return sorted({p.name[: -len("_v4.json")] for p in refs.glob("*_v4.json")})
 
 
-def _reference(stem: str, algo: str):
+def _ref_path(stem: str, algo: str, refs: Path = REF_DIR) -> Path:
+    return refs / f"{stem}_{REF_SUFFIX[algo]}.json"
+
+
+def _reference(stem: str, algo: str, refs: Path = REF_DIR):
     from ppiped.plan import import_reference
 
-    return import_reference(REF_DIR / f"{stem}_{REF_SUFFIX[algo]}.json")
+    return import_reference(_ref_path(stem, algo, refs))
+
+
+def plan_set_dir(data: Path, plan_set: str) -> Path:
+    """``--plan-set``: a folder of reference plans, or the name of one under ``data/reference-plans``."""
+    p = Path(plan_set)
+    return p if p.is_dir() or len(p.parts) > 1 else data / "reference-plans" / plan_set
 
 
 def _finite(x: Any) -> float | None:
@@ -193,29 +203,32 @@ def _stats(values: list[float], prefix: str) -> dict:
 
 def maf21_cases(args) -> list[Case]:
     algos = [a for a in args.algo.split(",") if a]
-    return [Case("maf21", "maf21", s, {"algos": algos}) for s in configurations()]
+    refs = plan_set_dir(Path(args.data), args.plan_set)
+    return [Case("maf21", "maf21", s, {"algos": algos, "refs": str(refs), "models": str(Path(args.data) / "models")})
+            for s in configurations(refs)]
 
 
 def maf21_run(case: Case, time_limit: float, threads: int) -> dict:
     from ppiped.plan import PlanParams
     from ppiped.profiles import load_profiles
 
-    v4 = _reference(case.name, "ppipe")  # its cluster allows every split; NP/DART-r restrict their own
+    refs = Path(case.spec["refs"])
+    v4 = _reference(case.name, "ppipe", refs)  # its cluster allows every split; NP/DART-r restrict their own
     models = [m.model for m in v4.models]
     weights = [m.weight for m in v4.models]
     rates = [m.batch_delay_rate_rps for m in v4.models]
-    profiles = load_profiles(MODELS_DIR, models)
+    profiles = load_profiles(Path(case.spec["models"]), models)
     params = PlanParams(slo_margin=v4.params.slo_margin, batch_delay_factor=v4.params.batch_delay_factor,
                         max_partitions=v4.params.max_partitions, slo_scale=v4.params.slo_scale,
                         slo_reference_gpu=v4.params.slo_reference_gpu)
     out: dict = {"config": case.name, "cluster": "-".join(v4.cluster.gpus), "weights": weights,
                  "models": models, "algos": {}}
     for algo in case.spec["algos"]:
-        ref = _reference(case.name, algo)
+        ref = _reference(case.name, algo, refs) if _ref_path(case.name, algo, refs).is_file() else None
         _, rec = plan_and_check(profiles, models, weights, v4.cluster, params, algo, time_limit, rates,
                                 threads)
-        rec["ref"] = round(ref.normalized_throughput, 3)
-        if "error" not in rec:
+        rec["ref"] = None if ref is None else round(ref.normalized_throughput, 3)
+        if "error" not in rec and ref is not None:
             rec["ratio"] = round(rec["ours"] / ref.normalized_throughput, 5)
             rec["ref_gap"] = ref.solver.get("gap")
         out["algos"][algo] = rec
@@ -226,7 +239,7 @@ def maf21_missed(row: dict) -> list[str]:
     missed = []
     for algo, rec in row.get("algos", {}).items():
         m = _record_missed(algo, rec)
-        if not m and rec["ratio"] < TARGET[algo]:
+        if not m and rec.get("ratio", math.inf) < TARGET[algo]:
             m = [f"{algo}: ratio {rec['ratio']} < {TARGET[algo]}"]
         missed += m
     return missed
@@ -243,8 +256,9 @@ def maf21_summary(rows: list[dict], args) -> dict:
         res = [r["algos"][algo] for r in rows if algo in r.get("algos", {})]
         ok = [x for x in res if "ratio" in x]
         s = {
-            "planned": len(ok),
-            "errors": len(rows) - len(ok),
+            "planned": sum(1 for x in res if "error" not in x),
+            "without_reference": sum(1 for x in res if "error" not in x and x.get("ref") is None),
+            "errors": len(rows) - sum(1 for x in res if "error" not in x),
             "check_failures": sum(1 for x in ok if x["check"] != "ok"),
             "below_target": sum(1 for x in ok if x["ratio"] < TARGET[algo]),
             "target": TARGET[algo],
@@ -280,7 +294,8 @@ def maf21_table(rows: list[dict], args) -> str:
 
 
 def ablation_cases(args) -> list[Case]:
-    return [Case("ablation", "ablation", p.stem) for p in sorted(MODELS_DIR.glob("*.json"))]
+    models = Path(args.data) / "models"
+    return [Case("ablation", "ablation", p.stem, {"models": str(models)}) for p in sorted(models.glob("*.json"))]
 
 
 def ablation_run(case: Case, time_limit: float, threads: int) -> dict:
@@ -290,7 +305,7 @@ def ablation_run(case: Case, time_limit: float, threads: int) -> dict:
 
     a = ABLATION
     model = case.name
-    profiles = load_profiles(MODELS_DIR, [model])
+    profiles = load_profiles(Path(case.spec["models"]), [model])
     cluster = cluster_from_flags(a["gpus"], a["per_server"], a["splits"], a["nic_gbps"])
     params = PlanParams(slo_margin=a["slo_margin"], max_partitions=a["max_partitions"],
                         slo_scale=a["slo_scale"], slo_reference_gpu="L4")
@@ -363,13 +378,14 @@ def ablation_table(rows: list[dict], args) -> str:
 # --------------------------------------------------------------------------- part: scale
 
 
-def _scale_groups() -> list[str]:
-    """maf21 configurations on L4-T4: one per model group and weights."""
-    return [s for s in configurations() if SCALE_REF_CLUSTER in s]
+def _scale_groups(refs: Path) -> list[str]:
+    """The plan set's configurations on L4-T4: one per model group and weights."""
+    return [s for s in configurations(refs) if SCALE_REF_CLUSTER in s]
 
 
 def scale_cases(args) -> list[Case]:
-    groups = _scale_groups()
+    refs = plan_set_dir(Path(args.data), args.plan_set)
+    groups = _scale_groups(refs)
     # Large clusters: distinct model sets first, so a few groups are a few different models.
     firsts, rest, seen = [], [], set()
     for s in groups:
@@ -382,7 +398,7 @@ def scale_cases(args) -> list[Case]:
         total = sum(int(x.split(":")[1]) for x in gpus.split(","))
         for stem in large if is_large else groups:
             cases.append(Case("scale", kind, f"{kind}/{stem}", {
-                "stem": stem, "gpus": gpus, "per_server": per_server, "splits": splits,
+                "stem": stem, "refs": str(refs), "models": str(Path(args.data) / "models"), "gpus": gpus, "per_server": per_server, "splits": splits,
                 "target_s": target_s, "rate_scale": total / 100 if is_large else 1.0}))
     return cases
 
@@ -393,11 +409,11 @@ def scale_run(case: Case, time_limit: float, threads: int) -> dict:
     from ppiped.profiles import load_profiles
 
     sp = case.spec
-    v4 = _reference(sp["stem"], "ppipe")
+    v4 = _reference(sp["stem"], "ppipe", Path(sp["refs"]))
     models = [m.model for m in v4.models]
     weights = [m.weight for m in v4.models]
     rates = [m.batch_delay_rate_rps * sp["rate_scale"] for m in v4.models]
-    profiles = load_profiles(MODELS_DIR, models)
+    profiles = load_profiles(Path(sp["models"]), models)
     cluster = cluster_from_flags(sp["gpus"], sp["per_server"], sp["splits"], SCALE_NIC_GBPS)
     params = PlanParams(slo_margin=0.4, batch_delay_factor=v4.params.batch_delay_factor, max_partitions=2,
                         slo_scale=5.0, slo_reference_gpu="L4")
@@ -555,10 +571,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, help="CBC threads per job (default 1; 2 for the scale part)")
     ap.add_argument("--large-groups", type=int, default=3,
                     help="scale: model groups planned on the 1,000- and 10,000-GPU clusters (default 3)")
+    ap.add_argument("--data", default=str(SHARED), help="the PPipe data set (models/, reference-plans/)")
+    ap.add_argument("--plan-set", default="maf21",
+                    help="maf21 and scale: reference plans, a folder name under DATA/reference-plans or a "
+                         "path (default maf21)")
     args = ap.parse_args(argv)
-    if not REF_DIR.is_dir() or not MODELS_DIR.is_dir():
-        print(f"skipped: {SHARED} is not present", file=sys.stderr)
-        return 0
+    refs, models = plan_set_dir(Path(args.data), args.plan_set), Path(args.data) / "models"
+    if not refs.is_dir() or not models.is_dir():
+        if args.plan_set == "maf21" and args.data == str(SHARED):
+            print(f"skipped: {SHARED} is not present", file=sys.stderr)
+            return 0
+        ap.error(f"no plan set {refs} or no {models}")
     bad = [a for a in args.algo.split(",") if a and a not in ALGOS]
     if bad:
         ap.error(f"unknown algorithm(s) {bad}; choose from {ALGOS}")

@@ -49,6 +49,21 @@ def reference_plans(algo: str | None = None) -> list[Path]:
     return sorted(REFERENCE_DIR.glob(pat))
 
 
+def other_plan_set(folder: Path) -> tuple[str, str]:
+    """A plan set unlike maf21, built in ``folder`` from a shared L4-T4 group: the group's ``_v4``
+    file alone (no ``_bl`` or ``_dart-r`` beside it), and a single-model ``_v4`` file (no weights
+    in its name) made of the group's first model. Returns the two stems."""
+    import json
+
+    (v4,) = [p for p in reference_plans("v4") if "colorization" in p.name and "_1.0-1.0-1.0_L4-T4_" in p.name]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / v4.name).write_text(v4.read_text())
+    entry = json.loads(v4.read_text())[0]
+    single = f"{entry['config']['dnn_name']}_{v4.name.split('_1.0-1.0-1.0_')[1]}"
+    (folder / single).write_text(json.dumps([entry]))
+    return v4.name[: -len("_v4.json")], single[: -len("_v4.json")]
+
+
 @pytest.fixture(scope="session")
 def shared_profiles():
     if not MODELS_DIR.is_dir():

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import reference_plans
+from conftest import other_plan_set, reference_plans
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -49,6 +49,27 @@ def test_planner_bench_one_configuration():
     (summary,) = [r for r in recs if r.get("summary")]
     assert row["algos"]["np"]["check"] == "ok" and row["algos"]["np"]["ours"] > 0
     assert summary["configurations"] == 1 and summary["np"]["errors"] == 0
+
+
+@pytest.mark.shared
+def test_planner_bench_on_another_plan_set(tmp_path):
+    """--plan-set: a single-model reference and a group without NP or DART-r references are
+    planned by every algorithm; ratios exist only where a reference does."""
+    if not reference_plans("v4"):
+        pytest.skip("../shared/data/ppipe is not present")
+    group, single = other_plan_set(tmp_path / "set")
+    recs = _json_lines([str(BENCH / "planner.py"), "--jobs", "1", "--algo", "ppipe,np", "--time-limit", "10",
+                        "--plan-set", str(tmp_path / "set")])
+    rows = {r["config"]: r for r in recs if "config" in r}
+    (summary,) = [r for r in recs if r.get("summary")]
+    assert set(rows) == {group, single}
+    assert rows[single]["weights"] == [1.0] and len(rows[single]["models"]) == 1
+    for row in rows.values():
+        pp, np_ = row["algos"]["ppipe"], row["algos"]["np"]
+        assert pp["check"] == np_["check"] == "ok" and pp["ours"] >= np_["ours"] * (1 - 1e-6)
+        assert "ratio" in pp and np_["ref"] is None and "ratio" not in np_ and row["missed"] == []
+    assert summary["np"]["planned"] == 2 and summary["np"]["without_reference"] == 2
+    assert summary["np"]["errors"] == 0
 
 
 def _run_part(part: str, *extra: str) -> tuple[int, list[dict]]:
