@@ -105,12 +105,6 @@ def paper_per_model(spec, target: float) -> list[float]:
     return [found.get(i, 0.0) for i in range(n or 0)]
 
 
-def plan_set_dir(data: Path, plan_set: str) -> Path:
-    """``--plan-set``: a folder of reference plans, or the name of one under ``data/reference-plans``."""
-    p = Path(plan_set)
-    return p if p.is_dir() or len(p.parts) > 1 else data / "reference-plans" / plan_set
-
-
 def short_name(config: str) -> str:
     """'apcnet+atss+gcnet 0.39-0.26-0.35 L4-P4' from a reference file name stem (a single-model
     file, whose name has no weights, keeps its first 44 characters)."""
@@ -175,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         return _per_jitter(argv or sys.argv[1:], jitters, Path(args.out))
     args.jitter = jitters[0]
 
+    from ppiped.plan import reference_plan_set
+
     data = Path(args.data)
-    plans_dir, models_dir = plan_set_dir(data, args.plan_set), data / "models"
+    plans_dir, models_dir = reference_plan_set(data, args.plan_set), data / "models"
     if not plans_dir.is_dir() or not models_dir.is_dir():
         print(f"figure6: no plan set {plans_dir} or no {models_dir}: nothing to do (skipped)", file=sys.stderr)
         return 0

@@ -63,8 +63,10 @@ def _point(args: tuple) -> dict:
     return out
 
 
-def _plans(data: Path, limit: int, match: str) -> list[str]:
-    d = data / "reference-plans" / "maf21"
+def _plans(data: Path, plan_set: str, limit: int, match: str) -> list[str]:
+    from ppiped.plan import reference_plan_set
+
+    d = reference_plan_set(data, plan_set)
     plans = sorted(str(p) for p in d.glob("*_v4.json") if match in p.name)
     return plans[:limit] if limit else plans
 
@@ -208,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", default="all", choices=("overload", "lowload", "bursty", "priority", "daemon", "all"))
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="the PPipe data set (models/, reference-plans/)")
+    ap.add_argument("--plan-set", default="maf21",
+                    help="simulator parts: the _v4 plans of this folder under DATA/reference-plans, or a path")
     ap.add_argument("--policies", default="ppipe,pard,ppipe-early-drop,reactive",
                     help="comma-separated policies for the simulator parts")
     ap.add_argument("--jitter", type=float, default=0.05, help="lognormal σ of executor latency (default 0.05)")
@@ -228,11 +232,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown policy {p!r} (known: {', '.join(POLICIES)})")
     data = Path(args.data)
     models = str(data / "models")
-    plans = _plans(data, args.limit, args.match) if (data / "reference-plans").is_dir() else []
+    plans = _plans(data, args.plan_set, args.limit, args.match)
     summary: dict = {}
     sim_parts = [p for p in ("overload", "lowload", "bursty", "priority") if args.part in (p, "all")]
     if sim_parts and not plans:
-        print(f"overload: {data} has no reference plans: the shared-plan runs are skipped", file=sys.stderr)
+        print(f"overload: no _v4 plans in {data}/reference-plans for --plan-set {args.plan_set}: the "
+              "shared-plan runs are skipped", file=sys.stderr)
         sim_parts = [p for p in sim_parts if p == "lowload"]  # its synthetic plan needs no data
     if sim_parts:
         from ppiped.sim.run import PointSpec

@@ -111,12 +111,6 @@ def _reference(stem: str, algo: str, refs: Path = REF_DIR):
     return import_reference(_ref_path(stem, algo, refs))
 
 
-def plan_set_dir(data: Path, plan_set: str) -> Path:
-    """``--plan-set``: a folder of reference plans, or the name of one under ``data/reference-plans``."""
-    p = Path(plan_set)
-    return p if p.is_dir() or len(p.parts) > 1 else data / "reference-plans" / plan_set
-
-
 def _finite(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
@@ -203,7 +197,9 @@ def _stats(values: list[float], prefix: str) -> dict:
 
 def maf21_cases(args) -> list[Case]:
     algos = [a for a in args.algo.split(",") if a]
-    refs = plan_set_dir(Path(args.data), args.plan_set)
+    from ppiped.plan import reference_plan_set
+
+    refs = reference_plan_set(args.data, args.plan_set)
     return [Case("maf21", "maf21", s, {"algos": algos, "refs": str(refs), "models": str(Path(args.data) / "models")})
             for s in configurations(refs)]
 
@@ -384,7 +380,9 @@ def _scale_groups(refs: Path) -> list[str]:
 
 
 def scale_cases(args) -> list[Case]:
-    refs = plan_set_dir(Path(args.data), args.plan_set)
+    from ppiped.plan import reference_plan_set
+
+    refs = reference_plan_set(args.data, args.plan_set)
     groups = _scale_groups(refs)
     # Large clusters: distinct model sets first, so a few groups are a few different models.
     firsts, rest, seen = [], [], set()
@@ -576,7 +574,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="maf21 and scale: reference plans, a folder name under DATA/reference-plans or a "
                          "path (default maf21)")
     args = ap.parse_args(argv)
-    refs, models = plan_set_dir(Path(args.data), args.plan_set), Path(args.data) / "models"
+    from ppiped.plan import reference_plan_set
+
+    refs, models = reference_plan_set(args.data, args.plan_set), Path(args.data) / "models"
     if not refs.is_dir() or not models.is_dir():
         if args.plan_set == "maf21" and args.data == str(SHARED):
             print(f"skipped: {SHARED} is not present", file=sys.stderr)

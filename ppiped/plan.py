@@ -665,6 +665,13 @@ def reference_name_info(path: str | Path, models: list[str] | None = None) -> di
     }
 
 
+def reference_plan_set(data: str | Path, plan_set: str = "maf21") -> Path:
+    """The folder of a set of PPipe reference plans: ``plan_set`` itself when it is a path, else
+    the folder of that name under the data set's ``reference-plans``."""
+    p = Path(plan_set)
+    return p if p.is_dir() or len(p.parts) > 1 else Path(data) / "reference-plans" / plan_set
+
+
 def import_reference(path: str | Path, cluster: Cluster | None = None,
                      weights: list[float] | None = None) -> Plan:
     """Read a PPipe reference plan (a JSON list, one entry per model) as a :class:`Plan`.
