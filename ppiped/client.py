@@ -287,7 +287,8 @@ class AsyncClient:
             if status == Status.OK:
                 fut.set_result(Result(f.bytes if hasattr(f, "bytes") else bytes(f), meta))
             else:
-                fut.set_exception(error_for(status, reason, model))
+                # a refusal's or drop's text (the limit, the latency) rides where a result's meta would
+                fut.set_exception(error_for(status, reason, model, detail=meta if isinstance(meta, str) else ""))
 
         rid = self.submit_cb(model, frame, slo_ms, done, priority)
         t = self.timeout_s if timeout_s == -1.0 else timeout_s
@@ -396,7 +397,7 @@ class AsyncClient:
                 for rid in ids:
                     cb = pending.pop(rid, None)
                     if cb is not None:
-                        cb(rid, status, reason, None, None)
+                        cb(rid, status, reason, None, meta)
         elif t == T.ANSWER:
             qid, status, reason, stage, detail, entries = h.qid, h.status, h.reason, h.stage, h.detail, h.outputs
             qcb = self._queries.pop(qid, None)

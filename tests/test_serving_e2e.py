@@ -152,6 +152,22 @@ async def test_impossible_slo_is_dropped_with_reason(emulated):
         assert e.value.reason == wire.DEADLINE
 
 
+async def test_slo_below_the_fastest_pipeline_is_a_deadline_drop_not_overload(emulated):
+    """A microsecond SLO on an idle daemon is no sign of load: it is dropped as ``deadline`` with
+    the fastest pipeline's latency named, and no shed counter moves."""
+    before = emulated.status()["counters"]
+    async with AsyncClient(emulated.client_endpoint, timeout_s=10) as c:
+        for slo_ms in (0.001, 0.01, 0.05, 0.1):
+            for _ in range(3):
+                with pytest.raises(Dropped) as e:
+                    await c.submit("tiny", b"x", slo_ms=slo_ms)
+                assert e.value.reason == wire.DEADLINE and "fastest pipeline" in str(e.value), e.value
+    after = emulated.status()["counters"]
+    assert after["slo_below_fastest"] - before.get("slo_below_fastest", 0) == 12
+    for k in (wire.OVERLOADED, "shed_backlog"):
+        assert after.get(k, 0) == before.get(k, 0), k
+
+
 async def test_loadgen_every_request_answered(emulated):
     r = await run_load(emulated.client_endpoint, {"tiny": 300.0}, 2.0, seed=3, check_echo=True)
     t = r["total"]

@@ -358,6 +358,9 @@ class Server:
         self.input_bytes = []  # checked at admission (0: not checked)
         self.input_specs: list[dict | None] = []  # what clients are told to send
         self.fair_cap: list[float] = []  # requests in flight shared out under contention
+        # the fastest a request can be served (a batch of one on the quickest pipeline, no wait)
+        self.fastest_us = [min((float(lay.rem[lay.pipe_pool0[n], 0]) for n in lay.pipelines_of(i)),
+                               default=math.inf) for i in range(len(self.model_names))]
         rate = lay.rate_rps
         for i, m in enumerate(self.model_names):
             ms = self.cfg.models.get(m)
@@ -691,7 +694,14 @@ class Server:
             sh = peer.shares[model] = Share(st)
         delay = peer.queue_delay(t, sent, slo)  # how long it queued before the daemon read it
         if delay == slo:
-            self._late_on_arrival(ident, ids, st, prio, delay)
+            self._late_on_arrival(ident, ids, st, prio, "late_on_arrival",
+                                  f"queued {delay / 1000:.1f} ms before it was read")
+            return
+        if slo - delay < self.fastest_us[m]:
+            self._late_on_arrival(ident, ids, st, prio, "slo_below_fastest",
+                                  f"SLO {slo / 1000:g} ms ({delay / 1000:.1f} ms of it queued before it was "
+                                  f"read) is shorter than {model}'s fastest pipeline, "
+                                  f"{self.fastest_us[m] / 1000:.3f} ms")
             return
         behind_us = min(self.max_backlog_us, slo >> 1)
         # Fair admission: with other clients in flight for this model, a client at its fair share
@@ -819,9 +829,12 @@ class Server:
                 if key not in used and not any(sh.n for sh in shares.values()):
                     del self.key_shares[key]
 
-    def _late_on_arrival(self, ident: bytes, ids: list[int], st: ModelStats, prio: int, delay: int) -> None:
-        """A SUBMIT that queued (before the daemon read it) past its SLO: it is dropped at once,
-        never served late as if it had just arrived."""
+    def _late_on_arrival(self, ident: bytes, ids: list[int], st: ModelStats, prio: int, counter: str,
+                         why: str) -> None:
+        """A SUBMIT that queued (before the daemon read it) past its SLO, or with less of its SLO
+        left than the fastest pipeline takes: it is dropped at once as ``deadline``, never
+        served late as if it had just arrived, nor refused as ``overloaded`` (a tiny SLO is no
+        sign of load)."""
         n = len(ids)
         st.accepted += n
         st.answered += n
@@ -829,9 +842,8 @@ class Server:
         if prio:
             st.high[0] += n
             st.high[2] += n
-        self.counters["late_on_arrival"] += n
-        send_parts(self.client, [ident, wire.reply(ids, Status.DROPPED, wire.DEADLINE,
-                                                   f"queued {delay / 1000:.1f} ms before it was read")])
+        self.counters[counter] += n
+        send_parts(self.client, [ident, wire.reply(ids, Status.DROPPED, wire.DEADLINE, why)])
 
     def _shed(self, ident: bytes, ids: list[int], st: ModelStats, t: int, cause: str, detail: str) -> None:
         """Answer a whole SUBMIT ``overloaded`` at once, before its payloads are looked at: the
