@@ -8,6 +8,7 @@ asserts on timings.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import math
@@ -271,6 +272,41 @@ def test_ctl_status_plan_executors(ops, capsys):
     assert json.loads(capsys.readouterr().out)["executors"][0]["assignments"]
     bad = ctl.call(ops.sock, {"cmd": "reboot"})
     assert not bad["ok"] and "unknown command" in bad["error"]
+
+
+@pytest.mark.parametrize("req,fragment", [
+    ({"cmd": "drain", "off": "false"}, "off: expected true or false, got 'false'"),
+    ({"cmd": "drain", "off": 1}, "off: expected true or false"),
+    ({"cmd": "drain", "timeout_s": float("nan")}, "timeout_s: expected seconds"),
+    ({"cmd": "drain", "timeout_s": -1}, "timeout_s: expected seconds"),
+    ({"cmd": "drain", "timeout_s": "5"}, "timeout_s: expected seconds"),
+    ({"cmd": "replan", "dry_run": "yes"}, "dry_run: expected true or false"),
+    ({"cmd": "replan", "wait": [1]}, "wait: expected true or false"),
+])
+def test_ctl_refuses_wrongly_typed_fields_by_name(ops, req, fragment):
+    """A string "false" is not read as true; nothing is done, and the daemon keeps serving."""
+    out = ctl.call(ops.sock, req)
+    assert not out["ok"] and fragment in out["error"], out
+    assert ctl.call(ops.sock, {"cmd": "status"})["state"] == "serving"
+
+
+def test_ctl_answers_an_oversized_line_before_closing(ops):
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(ops.sock)
+        s.settimeout(10)
+        with contextlib.suppress(OSError):  # the daemon may close before the whole line is sent
+            s.sendall(b'{"cmd": "status", "pad": "' + b"x" * (2 << 20) + b'"}\n')
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    out = json.loads(data)
+    assert not out["ok"] and "longer than" in out["error"]
+    assert ctl.call(ops.sock, {"cmd": "status"})["ok"]
 
 
 def test_installed_ppiped_ctl_script(ops):

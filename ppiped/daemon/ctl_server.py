@@ -98,7 +98,12 @@ class CtlServer:
                     out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
                 writer.write(json.dumps(out).encode() + b"\n")
                 await writer.drain()
-        except (ConnectionError, asyncio.LimitOverrunError, asyncio.IncompleteReadError, ValueError):
+        except ValueError:  # readline's over-long line: one answer, then the connection ends
+            with contextlib.suppress(ConnectionError, OSError):
+                writer.write(json.dumps({"ok": False, "error": f"request line longer than {MAX_LINE} bytes"})
+                             .encode() + b"\n")
+                await writer.drain()
+        except (ConnectionError, asyncio.LimitOverrunError, asyncio.IncompleteReadError):
             pass
         except asyncio.CancelledError:
             # shutdown with a connection open: end quietly (Python 3.11's stream callback calls
@@ -119,7 +124,7 @@ class CtlServer:
         if cmd == "executors":
             return {"ok": True, "executors": executors(srv), "missing": missing(srv)}
         if cmd == "drain":
-            return {"ok": True, **await drain(srv, bool(req.get("off")), float(req.get("timeout_s", 30.0)))}
+            return {"ok": True, **await drain(srv, _flag(req, "off"), _seconds(req, "timeout_s", 30.0))}
         if cmd == "replan":
             return await self.replan(req)
         raise InputError(f"unknown command {cmd!r} (known: {', '.join(COMMANDS)})")
@@ -150,11 +155,30 @@ class CtlServer:
                                  f"{MAX_PLAN_FILE_BYTES >> 20} MiB")
             # read off the loop: serving goes on while a large plan is parsed
             plan = await asyncio.to_thread(load_plan, path, srv.plan.cluster)
-        dry = bool(req.get("dry_run"))
+        dry = _flag(req, "dry_run")
         task = srv.replanner.start(weights, dry, "ctl", plan)
-        if not (req.get("wait") or dry):
+        if not (_flag(req, "wait") or dry):
             return {"ok": True, "started": True, "version": srv.plan_version}
         return await asyncio.shield(task)
+
+
+def _flag(req: dict[str, Any], key: str) -> bool:
+    """A yes/no field: JSON true or false (absent: false). The string "false" is refused, not
+    read as true."""
+    v = req.get(key, False)
+    if not isinstance(v, bool):
+        raise InputError(f"{key}: expected true or false, got {v!r}")
+    return v
+
+
+MAX_TIMEOUT_S = 86400.0
+
+
+def _seconds(req: dict[str, Any], key: str, default: float) -> float:
+    v = req.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_TIMEOUT_S:
+        raise InputError(f"{key}: expected seconds in [0, {MAX_TIMEOUT_S:g}], got {v!r}")
+    return float(v)
 
 
 def status(srv: Server) -> dict[str, Any]:

@@ -153,7 +153,7 @@ class OrtBackend(_TensorBackend):
         so.intra_op_num_threads = self.threads
         so.inter_op_num_threads = 1
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.log_severity_level = 3
+        so.log_severity_level = 4  # errors reach the caller as exceptions, in its own words
         # Idle intra-op threads would spin on cores the other vGPUs' runs and the event loop need.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         so.add_session_config_entry("session.inter_op.allow_spinning", "0")

@@ -260,7 +260,7 @@ def measure_fanout(detector_path: str | Path, frames: np.ndarray) -> list[int]:
     from ..query.example_glue import crop
 
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # errors reach the caller as exceptions, in its own words
     sess = ort.InferenceSession(str(detector_path), so, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     outs = sess.run(None, {sess.get_inputs()[0].name: frames})

@@ -158,7 +158,7 @@ def ort_session(source, what: str):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # errors reach the caller as exceptions, in its own words
     try:
         return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
     except Exception as e:

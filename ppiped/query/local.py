@@ -94,7 +94,7 @@ class LocalApp:
         if missing:
             raise InputError(f"app {app.name!r}: no model file for {', '.join(missing)}")
         so = ort.SessionOptions()
-        so.log_severity_level = 3
+        so.log_severity_level = 4  # errors reach the caller as exceptions, in its own words
         so.intra_op_num_threads = threads
         self.app = app
         self.max_children = max_children

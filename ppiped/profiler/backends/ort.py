@@ -42,7 +42,7 @@ class OrtSession:
         so.inter_op_num_threads = 1
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.log_severity_level = 3
+        so.log_severity_level = 4  # errors reach the caller as exceptions, in its own words
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             self.sess = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
