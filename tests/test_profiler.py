@@ -488,3 +488,39 @@ def test_a_batch_fixed_inside_the_model_is_named(tmp_path):
     with pytest.raises(InputError, match=r"output 'y' does not follow the batch axis.*--batch-sizes 1"):
         analyze(m)
     assert analyze(m, batched=False).output_names == ["y"]
+
+
+def test_partitions_never_reuse_a_name_the_model_has():
+    """The casts and pass-throughs a cut adds are named after the boundary tensor; a model whose
+    own tensors already carry those names (``a/to_fp32``, ``a/fp32``) still splits and runs."""
+    from ppiped.profiler.partition import Block
+
+    rng = np.random.default_rng(0)
+    w0 = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3, "w0")
+    w1 = numpy_helper.from_array(rng.standard_normal((4, 4, 3, 3)).astype(np.float32) * 0.3, "w1")
+    conv = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["a"], name="a", **conv),
+             helper.make_node("Relu", ["a"], ["a/to_fp32"], name="a/to_fp32"),
+             helper.make_node("Add", ["a", "a/to_fp32"], ["s"], name="s/pass"),
+             helper.make_node("Conv", ["s", "w1"], ["a/fp32"], name="a/fp32", **conv),
+             helper.make_node("Relu", ["a/fp32"], ["y"], name="y")]
+    g = helper.make_graph(nodes, "clash", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 8, 8])], [w0, w1])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(m, full_check=True)
+    blocks = [Block(0, 0, 1, ("x",), ("a",), 512), Block(1, 1, 5, ("a",), ("y",), 0)]
+    ex = Exporter(onnx.shape_inference.infer_shapes(m), blocks)
+    parts = [ex.partition(0, 1), ex.partition(1, 2)]
+    for p in parts:
+        onnx.checker.check_model(p, full_check=True)
+        names = [o for n in p.graph.node for o in n.output]
+        assert len(names) == len(set(names))
+    import onnxruntime as ort
+
+    run = [ort.InferenceSession(p.SerializeToString(), providers=["CPUExecutionProvider"]) for p in (m, *parts)]
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    (whole,) = run[0].run(None, {"x": x})
+    (mid,) = run[1].run(None, {"x": x})
+    assert mid.dtype == np.float16
+    (y,) = run[2].run(None, {run[2].get_inputs()[0].name: mid})
+    assert np.abs(y - whole).max() <= 1e-2 * np.abs(whole).max()

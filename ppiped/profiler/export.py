@@ -33,6 +33,19 @@ class Exporter:
         self._extractor = onnx.utils.Extractor(model)
         self._types = {vi.name: vi.type.tensor_type.elem_type
                        for vi in [*model.graph.input, *model.graph.value_info, *model.graph.output]}
+        g = model.graph
+        self._used = self._taken = {x for n in g.node for x in (*n.input, *n.output, n.name)} | \
+            {t.name for t in (*g.initializer, *g.input, *g.output, *g.value_info)}
+
+    def _fresh(self, base: str) -> str:
+        """``base``, or ``base#k``, whichever the model does not use yet: the casts and pass-throughs
+        added here must never collide with a user's tensor or node named ``x/fp32`` or the like."""
+        name, k = base, 0
+        while name in self._used:
+            k += 1
+            name = f"{base}#{k}"
+        self._used.add(name)
+        return name
 
     def partition(self, start: int, end: int, fp16_boundaries: bool = True) -> onnx.ModelProto:
         """Blocks [start, end) as a model; internal boundaries fp16 when ``fp16_boundaries``."""
@@ -46,6 +59,7 @@ class Exporter:
         if not computed:
             raise InputError(f"blocks [{start}, {end}) compute nothing that leaves them")
         sub = self._extractor.extract_model(inputs, computed)
+        self._used = set(self._taken)
         sub.graph.name = f"{self.model.graph.name or 'model'}_blocks_{start}_{end}"
         if fp16_boundaries:
             if start > 0:
@@ -57,19 +71,21 @@ class Exporter:
         # A tensor that crosses both cuts passes through under a name of its own (a graph may
         # not output its input); consumers match a partition's tensors by position.
         vis = {vi.name: vi for vi in [*sub.graph.input, *sub.graph.output]}
+        renamed = {}
         for t in passing:
             out = onnx.ValueInfoProto()
             out.CopyFrom(vis[t])
-            out.name = t + PASS_SUFFIX
+            out.name = renamed[t] = self._fresh(t + PASS_SUFFIX)
             vis[out.name] = out
             tt = out.type.tensor_type
+            node = self._fresh(f"{t}/pass")
             if fp16_boundaries and end < n and tt.elem_type in FLOAT_TYPES:  # the model's own input
                 tt.elem_type = TensorProto.FLOAT16
                 sub.graph.node.append(helper.make_node("Cast", [t], [out.name], to=TensorProto.FLOAT16,
-                                                       name=f"{t}/pass"))
+                                                       name=node))
             else:
-                sub.graph.node.append(helper.make_node("Identity", [t], [out.name], name=f"{t}/pass"))
-        order = [vis[t + PASS_SUFFIX if t in passing else t] for t in outputs]
+                sub.graph.node.append(helper.make_node("Identity", [t], [out.name], name=node))
+        order = [vis[renamed.get(t, t)] for t in outputs]
         del sub.graph.output[:]
         sub.graph.output.extend(order)
         del sub.graph.value_info[:]
@@ -79,7 +95,7 @@ class Exporter:
         typ = self._types.get(name, TensorProto.FLOAT)
         if typ not in FLOAT_TYPES:
             return
-        inner = f"{name}/to_fp32"
+        inner = self._fresh(f"{name}/to_fp32")
         for node in sub.graph.node:
             for k, t in enumerate(node.input):
                 if t == name:
@@ -93,7 +109,7 @@ class Exporter:
         typ = self._types.get(name, TensorProto.FLOAT)
         if typ not in FLOAT_TYPES:
             return
-        inner = f"{name}/fp32"
+        inner = self._fresh(f"{name}/fp32")
         for node in sub.graph.node:
             for k, t in enumerate(node.output):
                 if t == name:
@@ -105,7 +121,7 @@ class Exporter:
             if vi.name == name:
                 vi.type.tensor_type.elem_type = TensorProto.FLOAT16
         sub.graph.node.append(helper.make_node("Cast", [inner], [name], to=TensorProto.FLOAT16,
-                                               name=f"{name}/to_fp16"))
+                                               name=self._fresh(f"{name}/to_fp16")))
 
 
 def blocks_from_extra(extra_blocks: Sequence[dict]) -> list[Block]:
