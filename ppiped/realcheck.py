@@ -94,8 +94,9 @@ def serve_and_compare(work: Path, profile_path: Path, partitions: Sequence[Cut],
     n = len(partitions)
     with LocalCluster(cfg, split_groups(n, n), log_dir=work) as c, \
             Client(c.client_endpoint, timeout_s=60) as cl:
-        shape = list(cl.info()["models"][profile.model]["input"]["shape"])
-        x = np.random.default_rng(seed).standard_normal((frames, *shape)).astype(np.float32)
+        spec = cl.info()["models"][profile.model]["input"]
+        shape = list(spec["shape"])
+        x = np.random.default_rng(seed).standard_normal((frames, *shape)).astype(spec.get("dtype") or np.float32)
         out = cl.submit_many(profile.model, [xi.tobytes() for xi in x])
     check = RealCheck(list(partitions), frames, shape, tolerance=tolerance, backend=backend)
     sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])

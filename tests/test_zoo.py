@@ -308,3 +308,35 @@ def test_zoo_served_end_to_end_equal_to_the_whole_model(profiled):
                     for y, w in zip(got, want, strict=True):
                         scale = float(w.max() - w.min()) or 1.0
                         assert float(np.abs(y.reshape(w[i].shape) - w[i]).max()) <= 1e-2 * scale, name
+
+
+def _fp16_classifier() -> onnx.ModelProto:
+    """A small CNN in half precision throughout, input included (as fp16 exports are)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(4)
+    inits, nodes, x, cin = [], [], "image", 3
+    for i, cout in enumerate((8, 8, 16, 16)):
+        w = (rng.standard_normal((cout, cin, 3, 3)) * np.sqrt(2 / (9 * cin))).astype(np.float16)
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        nodes += [helper.make_node("Conv", [x, f"w{i}"], [f"c{i}"], name=f"conv{i}", kernel_shape=[3, 3],
+                                   pads=[1, 1, 1, 1], strides=[2 if i == 2 else 1] * 2),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"relu{i}")]
+        x, cin = f"r{i}", cout
+    g = helper.make_graph(nodes, "fp16", [helper.make_tensor_value_info("image", TensorProto.FLOAT16, ["N", 3, 16, 16])],
+                          [helper.make_tensor_value_info(x, TensorProto.FLOAT16, ["N", 16, 8, 8])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_realcheck_serves_a_half_precision_model(tmp_path):
+    """serve_and_compare sends frames in the model's own input type (fp16 here), not float32."""
+    from ppiped.daemon.launch import short_tmpdir
+    from ppiped.realcheck import serve_and_compare
+
+    path = tmp_path / "fp16.onnx"
+    onnx.save(_fp16_classifier(), path)
+    _, prof_path = profile_model(_request(path, tmp_path / "profiles", blocks=3))
+    assert load_profile(prof_path).input_spec()["dtype"] == "float16"
+    with short_tmpdir("ppiped-f16-") as d:
+        check = serve_and_compare(Path(d), prof_path, [((0, 1), "CPU"), ((1, 3), "CPU")], frames=4)
+    assert check.errors == [] and check.equal, check
