@@ -524,3 +524,37 @@ def test_partitions_never_reuse_a_name_the_model_has():
     assert mid.dtype == np.float16
     (y,) = run[2].run(None, {run[2].get_inputs()[0].name: mid})
     assert np.abs(y - whole).max() <= 1e-2 * np.abs(whole).max()
+
+
+def test_shape_arithmetic_that_follows_the_batch_is_not_folded():
+    """A size computed as batch // 4 is 0 at batch sizes 1 and 2 and 1 at 4: with batch sizes up
+    to 4 profiled it stays a node, and the analysed model equals the original at every size."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(1)
+    ints = {"i0": 0, "four": 4, "one": 1}
+    inits = [numpy_helper.from_array(np.array(v, dtype=np.int64), k) for k, v in ints.items()]
+    inits.append(numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"))
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Shape", ["c"], ["sh"]),
+             helper.make_node("Gather", ["sh", "i0"], ["b"], axis=0),
+             helper.make_node("Div", ["b", "four"], ["q"]),
+             helper.make_node("Add", ["q", "one"], ["q1"]),
+             helper.make_node("Cast", ["q1"], ["f"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["c", "f"], ["y"])]
+    g = helper.make_graph(nodes, "batchdiv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 8, 8])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+    def run(model, bs):
+        s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return s.run(None, {"x": np.ones((bs, 3, 8, 8), np.float32)})[0]
+
+    four = analyze(m, max_batch=4).model
+    assert any(n.op_type == "Div" for n in four.graph.node)
+    for bs in (1, 2, 3, 4, 5):
+        np.testing.assert_allclose(run(four, bs), run(m, bs), rtol=1e-6)
+    two = analyze(m, max_batch=2).model  # batch sizes 1 and 2 only: the value is fixed there
+    assert not any(n.op_type == "Div" for n in two.graph.node)
+    for bs in (1, 2):
+        np.testing.assert_allclose(run(two, bs), run(m, bs), rtol=1e-6)

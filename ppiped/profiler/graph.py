@@ -294,10 +294,11 @@ def fold_constant_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def fold_static_shapes(model: onnx.ModelProto, batched: bool = True) -> onnx.ModelProto:
+def fold_static_shapes(model: onnx.ModelProto, batched: bool = True, max_batch: int = 2) -> onnx.ModelProto:
     """In place: values computed from tensor shapes alone (``Shape``/``Size`` and arithmetic on
-    them, with weights) that are equal at batch sizes 1 and 2 become initializers, and the nodes
-    that made them go.
+    them, with weights) that are equal at batch sizes 1, 2, 3, 4 and ``max_batch`` (those up to
+    ``max_batch``: the sizes a plan may run) become initializers, and the nodes that made them go.
+    Equal at 1 and 2 alone is not enough: ``N // 4`` is 0 at both.
 
     Why: exporters read sizes at the top of a forward pass (torch's ``x.shape[-2:]`` for a
     segmentation head's final Resize). Left as nodes, two int64 scalars, or the input itself,
@@ -317,13 +318,14 @@ def fold_static_shapes(model: onnx.ModelProto, batched: bool = True) -> onnx.Mod
     if not derived:
         return model
     names = sorted(derived - {o.name for o in g.output})
+    sizes = sorted({b for b in (2, 3, 4, max_batch) if 2 <= b <= max(2, max_batch)}) if batched else []
     try:
         at1 = _run_for(model, names, batch=1)
-        at2 = _run_for(model, names, batch=2, seed=1) if batched else at1
+        others = [_run_for(model, names, batch=b, seed=b - 1) for b in sizes]
     except InputError:
         return model  # the analysis that follows says why the model does not run
-    fixed = {t for t in names if at1[t].size <= MAX_FOLDED_ELEMENTS and at1[t].shape == at2[t].shape
-             and np.array_equal(at1[t], at2[t])}
+    fixed = {t for t in names if at1[t].size <= MAX_FOLDED_ELEMENTS
+             and all(at[t].shape == at1[t].shape and np.array_equal(at[t], at1[t]) for at in others)}
     used = {t for n in g.node for t in n.input} | {o.name for o in g.output}
     keep, folded = [], []
     for n in g.node:
@@ -395,14 +397,16 @@ def _layer_cost(layer: Layer, shapes: dict[str, tuple[int, ...]], consts: set[st
 
 
 def analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None,
-            max_cut_tensors: int = DEFAULT_MAX_CUT_TENSORS, batched: bool = True) -> ModelGraph:
+            max_cut_tensors: int = DEFAULT_MAX_CUT_TENSORS, batched: bool = True,
+            max_batch: int = 2) -> ModelGraph:
     """Fix the batch axis, infer shapes, list layers and the valid cuts (at most
     ``max_cut_tensors`` tensors crossing) between them. ``batched=False`` (only batch size 1
-    is profiled) takes batch-1 shapes as they are, for a model that fixes its batch inside."""
+    is profiled) takes batch-1 shapes as they are, for a model that fixes its batch inside;
+    ``max_batch``: the largest batch size profiled (sizes up to it must not change a folded value)."""
     if not 1 <= max_cut_tensors <= MAX_CUT_TENSORS_LIMIT:
         raise InputError(f"--max-cut-tensors must be 1..{MAX_CUT_TENSORS_LIMIT}, got {max_cut_tensors}")
     _check_ops(model.graph)
-    m = _infer(fold_static_shapes(fold_constant_nodes(fix_batch_axis(model, input_shape)), batched))
+    m = _infer(fold_static_shapes(fold_constant_nodes(fix_batch_axis(model, input_shape)), batched, max_batch))
     g = m.graph
     inits = {t.name: t for t in g.initializer}
     inp = next(i for i in g.input if i.name not in inits)

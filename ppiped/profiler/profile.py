@@ -469,7 +469,8 @@ def profile_model(req: ProfileRequest) -> tuple[Profile, Path]:
     check_ranges(req.partitions, req.blocks)
     name = check_name(req.name if req.name is not None else req.model_path.stem)
     original = load_onnx(req.model_path)
-    graph = analyze(original, req.input_shape, req.max_cut_tensors, batched=req.max_batch > 1)
+    graph = analyze(original, req.input_shape, req.max_cut_tensors, batched=req.max_batch > 1,
+                    max_batch=req.max_batch)
     _check_runs(graph, original, req.max_batch)
     _check_block_count(req, graph)
     inp = None
