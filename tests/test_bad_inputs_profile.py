@@ -63,8 +63,14 @@ def work(tmp_path_factory) -> dict[str, Path]:
     def no_outputs(m):
         del m.graph.output[:]
 
+    def wrong_output_shape(m):  # ONNX Runtime runs it anyway; served, it would be cut short
+        dims = m.graph.output[0].type.tensor_type.shape.dim
+        del dims[1:]
+        dims.add().dim_value = 5
+
     files = {"good": good, "dir": d / "ex"}
-    for name, fn in (("zero", zero), ("opset", opset), ("int64", int64), ("no_outputs", no_outputs)):
+    for name, fn in (("zero", zero), ("opset", opset), ("int64", int64), ("no_outputs", no_outputs),
+                     ("wrong_output_shape", wrong_output_shape)):
         files[name] = _edit(good, d / f"{name}.onnx", fn)
     (d / "empty.onnx").write_bytes(b"")
     files["empty"] = d / "empty.onnx"
@@ -88,6 +94,7 @@ PROFILE_CASES = {
     "opset-99": ("opset", [], "ONNX Runtime cannot load the model"),
     "int64-input": ("int64", [], "not a float"),
     "no-outputs": ("no_outputs", [], "no outputs"),
+    "output-declared-wrong": ("wrong_output_shape", [], "is declared with shape [5] per request but the model computes"),
     "empty-file": ("empty", [], "not a valid ONNX model"),
     "directory": ("dir", [], "is a directory"),
     "blocks-0": ("good", ["--blocks", "0"], "argument --blocks"),

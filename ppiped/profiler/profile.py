@@ -236,8 +236,16 @@ def _check_runs(graph: ModelGraph, original: onnx.ModelProto, max_batch: int) ->
     to [1, -1])."""
     sess = ort_session(graph.model.SerializeToString(), "the model")
     dtype = onnx.helper.tensor_dtype_to_np_dtype(graph.dtypes.get(graph.input_name, 1))
-    ort_run(sess, {graph.input_name: np.zeros((1, *graph.input_shape), dtype=dtype)},
-            "the model at batch size 1")
+    outs = ort_run(sess, {graph.input_name: np.zeros((1, *graph.input_shape), dtype=dtype)},
+                   "the model at batch size 1")
+    for o, y in zip([o.name for o in sess.get_outputs()], outs, strict=True):
+        # executors size each request's output from the shape the model declares (ORT does not
+        # hold a model to it): a wrong declaration would be served cut short, without an error
+        want = graph.shapes.get(o)
+        if want is not None and tuple(np.shape(y)) != tuple(want):
+            raise InputError(f"output {o!r} is declared with shape {list(want[1:])} per request but the "
+                             f"model computes {list(np.shape(y)[1:])}: fix the output's shape in the export "
+                             "(or leave it undeclared)")
     inits = {t.name for t in original.graph.initializer}
     inp = next(i for i in original.graph.input if i.name not in inits)
     dim0 = inp.type.tensor_type.shape.dim[0] if inp.type.tensor_type.shape.dim else None
