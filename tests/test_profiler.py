@@ -558,3 +558,27 @@ def test_shape_arithmetic_that_follows_the_batch_is_not_folded():
     assert not any(n.op_type == "Div" for n in two.graph.node)
     for bs in (1, 2):
         np.testing.assert_allclose(run(two, bs), run(m, bs), rtol=1e-6)
+
+
+def _conv_model(in_dims: list, unsqueeze: bool) -> onnx.ModelProto:
+    w = numpy_helper.from_array(np.full((4, 3, 3, 3), 0.1, np.float32), "w")
+    inits, nodes, x = [w], [], "x"
+    if unsqueeze:
+        inits.append(numpy_helper.from_array(np.array([0], np.int64), "ax"))
+        nodes.append(helper.make_node("Unsqueeze", ["x", "ax"], ["x4"]))
+        x = "x4"
+    nodes.append(helper.make_node("Conv", [x, "w"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]))
+    nodes.append(helper.make_node("Squeeze", ["c", "ax"], ["y"]) if unsqueeze else helper.make_node("Relu", ["c"], ["y"]))
+    out = [4, 8, 8] if unsqueeze else [in_dims[0], 4, 8, 8]
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, in_dims)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_fixed_batch_exports_run_and_a_missing_batch_axis_is_named():
+    """Exported for a fixed batch of 4, a CNN analyses at any batch size; one without a batch
+    axis (it adds its own inside) is refused with a note on the axis taken as the batch."""
+    g = analyze(_conv_model([4, 3, 8, 8], unsqueeze=False))
+    assert g.input_shape == (3, 8, 8)
+    with pytest.raises(InputError, match="first axis fixed at 3, taken here as the batch axis"):
+        analyze(_conv_model([3, 8, 8], unsqueeze=True))

@@ -405,6 +405,22 @@ def analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None = None,
     ``max_batch``: the largest batch size profiled (sizes up to it must not change a folded value)."""
     if not 1 <= max_cut_tensors <= MAX_CUT_TENSORS_LIMIT:
         raise InputError(f"--max-cut-tensors must be 1..{MAX_CUT_TENSORS_LIMIT}, got {max_cut_tensors}")
+    try:
+        return _analyze(model, input_shape, max_cut_tensors, batched, max_batch)
+    except InputError as e:
+        # a model exported for a fixed batch of 8 runs at any batch size once axis 0 is named;
+        # one with no batch axis at all fails somewhere later, for a reason that hides this one
+        inputs = [i for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
+        first = _dims(inputs[0])[:1] if len(inputs) == 1 else []
+        if first and isinstance(first[0], int) and first[0] > 1:
+            raise InputError(f"{e} (note: input {inputs[0].name!r} has its first axis fixed at {first[0]}, "
+                             "taken here as the batch axis; a model without a batch axis must be exported "
+                             "with one first)") from None
+        raise
+
+
+def _analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None, max_cut_tensors: int,
+             batched: bool, max_batch: int) -> ModelGraph:
     _check_ops(model.graph)
     m = _infer(fold_static_shapes(fold_constant_nodes(fix_batch_axis(model, input_shape)), batched, max_batch))
     g = m.graph
