@@ -582,3 +582,28 @@ def test_fixed_batch_exports_run_and_a_missing_batch_axis_is_named():
     assert g.input_shape == (3, 8, 8)
     with pytest.raises(InputError, match="first axis fixed at 3, taken here as the batch axis"):
         analyze(_conv_model([3, 8, 8], unsqueeze=True))
+
+
+def test_a_boundary_past_fp16_range_is_reported_as_overflow(tmp_path):
+    """Hops carry fp16: a feature map of 1e6 becomes inf at the cut though the whole model stays
+    finite; chain_errors says so per output (the profile then refuses the cut model)."""
+    from ppiped.profiler.export import chain_errors
+    from ppiped.profiler.partition import Block
+
+    inits = [numpy_helper.from_array(np.array(v, np.float32), k) for k, v in (("big", 1e6), ("small", 1e-6))]
+    nodes = [helper.make_node("Mul", ["x", "big"], ["a"], name="up"),
+             helper.make_node("Mul", ["a", "small"], ["y"], name="down")]
+    g = helper.make_graph(nodes, "ovf", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])], inits)
+    m = onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)],
+                                                            ir_version=8))
+    ex = Exporter(m, [Block(0, 0, 1, ("x",), ("a",), 8), Block(1, 1, 2, ("a",), ("y",), 0)])
+    paths = []
+    for i, p in enumerate((m, ex.partition(0, 1), ex.partition(1, 2))):
+        paths.append(str(tmp_path / f"{i}.onnx"))
+        onnx.save(p, paths[-1])
+    overflow: dict[str, bool] = {}
+    chain_errors(paths[0], paths[1:], [np.full((2, 4), 0.5, np.float32)], overflow=overflow)
+    assert overflow == {"y": True}
+    chain_errors(paths[0], paths[1:], [np.full((2, 4), 1e-3, np.float32)], overflow=overflow)
+    assert overflow == {"y": False}  # 1e3 fits fp16

@@ -175,16 +175,18 @@ def check_equivalence(whole_path: Path | str, block_paths: Sequence[Path | str],
 
     batch = max(1, max_batch)
     varies: dict[str, bool] = {}
+    overflow: dict[str, bool] = {}
     if calibration is not None:
         cal = Calibration(calibration, inp)
-        errors, count = chain_errors(str(whole_path), [str(p) for p in block_paths], cal.batches(batch), varies)
+        errors, count = chain_errors(str(whole_path), [str(p) for p in block_paths], cal.batches(batch), varies,
+                                     overflow)
         if count == 0:
             raise InputError(f"calibration input {calibration} holds no samples")
         what = cal.describe(count)
     else:
         batch = min(2, batch)
         xs, what = random_batches(inp, batch=batch)
-        errors, count = chain_errors(str(whole_path), [str(p) for p in block_paths], xs, varies)
+        errors, count = chain_errors(str(whole_path), [str(p) for p in block_paths], xs, varies, overflow)
     worst = max(errors, key=lambda k: (np.isnan(errors[k]), errors[k]))
     err = errors[worst]
     return {
@@ -195,6 +197,7 @@ def check_equivalence(whole_path: Path | str, block_paths: Sequence[Path | str],
         # outputs the inputs did not move: equal blocks there prove little (weights that
         # ignore the input, or a single sample)
         "input_insensitive": sorted(k for k, v in varies.items() if not v),
+        "overflow": sorted(k for k, v in overflow.items() if v),
         "tolerance": tolerance,
         "metric": METRIC,
         "input": what,

@@ -149,6 +149,7 @@ class OutputError:
         self.absmax = 0.0
         self.first: Any = None  # the whole model's output for the first sample
         self.varies = False  # whether any other sample's output differs from it
+        self.overflow = False  # the chain gave inf/NaN where the whole model is finite
 
     def add(self, chain: Any, whole: Any) -> None:
         import numpy as np
@@ -164,6 +165,7 @@ class OutputError:
             if self.first is None:
                 self.first = w[0].copy()
             self.varies = self.varies or any(not np.array_equal(x, self.first) for x in w)
+        self.overflow = self.overflow or bool(np.any(~np.isfinite(c) & np.isfinite(w)))
         self.diff = float(np.max([self.diff, np.max(np.abs(c - w))]))
         self.lo = float(np.min([self.lo, np.min(w)]))
         self.hi = float(np.max([self.hi, np.max(w)]))
@@ -185,11 +187,13 @@ def range_relative_error(chain: Any, whole: Any) -> float:
 
 
 def chain_errors(whole_path: str, block_paths: Sequence[str], batches: Iterable[Any],
-                 varies: dict[str, bool] | None = None) -> tuple[dict[str, float], int]:
+                 varies: dict[str, bool] | None = None,
+                 overflow: dict[str, bool] | None = None) -> tuple[dict[str, float], int]:
     """Run the block sub-models in sequence (fp16 at the boundaries) and the whole model with
     ONNX Runtime on each input batch; the error per whole-model output name (see
     :class:`OutputError`) and the number of samples run. ``varies``, if given, gets per output
-    whether the whole model's output differed between samples."""
+    whether the whole model's output differed between samples; ``overflow``, whether the blocks
+    gave a non-finite value where the whole model's was finite (a feature map past fp16's range)."""
     from .graph import ort_run, ort_session
 
     whole = ort_session(whole_path, "the model")
@@ -209,6 +213,8 @@ def chain_errors(whole_path: str, block_paths: Sequence[str], batches: Iterable[
         count += len(x)
     if varies is not None:
         varies.update({n: e.varies for n, e in errs.items()})
+    if overflow is not None:
+        overflow.update({n: e.overflow for n, e in errs.items()})
     return {n: e.error() for n, e in errs.items()}, count
 
 

@@ -545,6 +545,11 @@ def _profile_into(req: ProfileRequest, graph: ModelGraph, existing: Profile | No
 
         equivalence = check_equivalence(whole_path, files, inp, req.calibration, req.max_batch,
                                         EQUIVALENCE_TOLERANCE)
+        if equivalence["overflow"]:
+            raise InputError(f"the blocks in sequence give inf or NaN on output(s) "
+                             f"{', '.join(map(repr, equivalence['overflow']))} where the whole model's values are "
+                             f"finite ({equivalence['input']}): a feature map crossing a cut exceeds fp16's range "
+                             "(65504), and hops carry fp16; profile with --blocks 1 to serve the model uncut")
         if not equivalence["passed"]:
             err = equivalence["max_rel_error"]
             print(f"ppiped profile: warning: the blocks in sequence differ from the whole model on "
