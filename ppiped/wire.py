@@ -20,6 +20,8 @@ feedback); the scheduler keeps a per-executor clock offset, so hosts need no syn
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Callable, Sequence
 from enum import IntEnum
 from types import SimpleNamespace
@@ -186,9 +188,9 @@ class Register(Message):
 
 
 class Welcome(Message):
-    """S→E. ``data_key``: what every FORWARD between this scheduler's executors carries (an
-    executor refuses a FORWARD without it, so a socket that reached a data port but was given no
-    assignment cannot push work into it); only an executor with an assignment is told it."""
+    """S→E. ``data_key``: this executor's own key (random, per registration), under which the
+    scheduler signs each hop of a batch that this executor is to run (:func:`hop_tag`); only an
+    executor with an assignment is told it, and no other executor learns it."""
 
     assignments: list  # one list per vGPU, see Assignment
     heartbeat_ms: UInt
@@ -204,13 +206,19 @@ class Heartbeat(Message):
     queued: UInt
 
 
+Tag = Annotated[bytes, msgspec.Meta(max_length=64)]
+Tags = list[Tag]
+
+
 class Dispatch(Message):
-    """S→E, + one input frame per id."""
+    """S→E, + one input frame per id. ``tags[j - 1]``: hop j's :func:`hop_tag`, which the
+    FORWARD into hop j carries (the whole list rides along the path)."""
 
     batch: UInt
     path: UInts
     starts: Ints
     ids: UInts
+    tags: Tags = []
 
 
 class Forward(Message):
@@ -220,7 +228,7 @@ class Forward(Message):
     hop: UInt
     ids: UInts
     meta: Any  # tensor spec or None
-    key: bytes = b""  # WELCOME.data_key
+    tags: Tags = []  # DISPATCH.tags: the receiver checks tags[hop - 1]
 
 
 class Result(Message):
@@ -314,11 +322,15 @@ def _any(x: Any) -> bool:
     return True
 
 
+def _tags(x: Any) -> bool:
+    return type(x) is list and all(type(t) is bytes and len(t) <= 64 for t in x)
+
+
 _CHECKS: dict[Any, tuple[Callable[[Any], bool], str]] = {
     UInt: (_uint, "unsigned int"), int: (_int, "int"), Clock: (_clock, "a clock in µs below 2^62"),
     str: (_str, "string"),
     bytes: (_bytes, "bytes"), UInts: (_uints, "list of unsigned ints"), Ints: (_ints, "list of ints"), list: (_list, "list"),
-    dict: (_dict, "map"), Any: (_any, "any")}
+    dict: (_dict, "map"), Any: (_any, "any"), Tags: (_tags, "list of byte strings of at most 64 bytes")}
 
 Field = tuple[str, Callable[[Any], bool], str]
 # per type: (name, check, kind) of each field after version and type, from the structs
@@ -329,7 +341,9 @@ SCHEMAS: dict[int, tuple[Field, ...]] = {
 # when it sent the message: 0, unknown, and the SLO clock starts when the scheduler reads it)
 OPTIONAL: dict[int, tuple[Any, ...]] = {
     t: d for t, c in STRUCTS.items()
-    if (d := tuple(f.default for f in msgspec.structs.fields(c) if f.default is not msgspec.NODEFAULT))}
+    if (d := tuple(f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+                   for f in msgspec.structs.fields(c)
+                   if f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT))}
 
 # per type: its decoder and the largest fixarray byte it takes (msgspec ignores extra trailing
 # elements of an array-like struct; the wire refuses them)
@@ -493,13 +507,34 @@ def heartbeat(clock_us: int, queued: int) -> bytes:
     return _pack([VERSION, _t.HEARTBEAT, clock_us, queued])
 
 
-def dispatch(batch: int, path: Sequence[int], starts: Sequence[int], ids: Sequence[int]) -> bytes:
-    return _pack([VERSION, _t.DISPATCH, batch, path, starts, ids])
+def dispatch(batch: int, path: Sequence[int], starts: Sequence[int], ids: Sequence[int],
+             tags: Sequence[bytes] = ()) -> bytes:
+    return _pack([VERSION, _t.DISPATCH, batch, path, starts, ids, list(tags)])
 
 
 def forward(batch: int, path: Sequence[int], starts: Sequence[int], hop: int, ids: Sequence[int],
-            meta: Any, key: bytes = b"") -> bytes:
-    return _pack([VERSION, _t.FORWARD, batch, path, starts, hop, ids, meta, key])
+            meta: Any, tags: Sequence[bytes] = ()) -> bytes:
+    return _pack([VERSION, _t.FORWARD, batch, path, starts, hop, ids, meta, list(tags)])
+
+
+_TAG_INPUT = struct.Struct("<QQQ")
+TAG_BYTES = 16
+
+
+def hop_tag(key: bytes, batch: int, hop: int, vgpu: int) -> bytes:
+    """The capability for hop ``hop`` (on vGPU ``vgpu``) of ``batch``: a keyed BLAKE2b under the
+    key the scheduler gave that hop's executor (WELCOME.data_key). The scheduler, which holds
+    every executor's key, puts one per hop in the DISPATCH; each hop passes them on, and an
+    executor runs a FORWARD only when it carries its own tag for that batch and hop. So only the
+    batch's earlier hops can feed a hop: another executor of the plan, which holds a key but
+    never saw the batch, cannot forge work or results for it."""
+    return hashlib.blake2b(_TAG_INPUT.pack(batch, hop, vgpu), key=key,
+                           digest_size=TAG_BYTES).digest()
+
+
+def path_tags(keys: Sequence[bytes], batch: int, path: Sequence[int]) -> list[bytes]:
+    """DISPATCH.tags for ``path``, where ``keys[j]`` is the key of hop j's executor."""
+    return [hop_tag(keys[j], batch, j, path[j]) for j in range(1, len(path))]
 
 
 def result(batch: int, ids: Sequence[int], meta: Any, failed: Sequence = (), feedback: Sequence[int] = ()

@@ -285,9 +285,12 @@ def test_ctl_status_plan_executors(ops, capsys):
 ])
 def test_ctl_refuses_wrongly_typed_fields_by_name(ops, req, fragment):
     """A string "false" is not read as true; nothing is done, and the daemon keeps serving."""
+    before = ctl.call(ops.sock, {"cmd": "status"})
     out = ctl.call(ops.sock, req)
     assert not out["ok"] and fragment in out["error"], out
-    assert ctl.call(ops.sock, {"cmd": "status"})["state"] == "serving"
+    after = ctl.call(ops.sock, {"cmd": "status"})
+    assert after["state"] == "serving" and after["replan"]["running"] is False
+    assert after["plan_version"] == before["plan_version"] and after["replan"]["last"] == before["replan"]["last"]
 
 
 def test_ctl_answers_an_oversized_line_before_closing(ops):

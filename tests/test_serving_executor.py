@@ -108,12 +108,22 @@ def assignment(vgpu, part, last, lat=LAT):
                            [0.0] * len(lat)).to_wire()
 
 
-DATA_KEY = b"0123456789abcdef"
+# Each test executor's WELCOME key, by its first vGPU (a scheduler gives every executor its own).
+KEYS = {0: b"0123456789abcdef", 1: b"fedcba9876543210"}
+DATA_KEY = KEYS[0]
 
 
-def welcome(sched, ident, vgpus, data_key=DATA_KEY):
-    sched.send(ident, wire.welcome([assignment(v, v, v == 1) for v in vgpus], 50, data_key))
+def welcome(sched, ident, vgpus, data_key=None):
+    key = KEYS[vgpus[0]] if data_key is None else data_key
+    sched.send(ident, wire.welcome([assignment(v, v, v == 1) for v in vgpus], 50, key))
     sched.recv(T.HEARTBEAT)
+
+
+def dispatch(batch, path, starts, ids, keys=None):
+    """DISPATCH with the hop tags a scheduler would sign: ``keys`` by vGPU (KEYS by default; an
+    executor hosting both vGPUs has one key, KEYS[0])."""
+    keys = keys or KEYS
+    return wire.dispatch(batch, path, starts, ids, wire.path_tags([keys[v] for v in path], batch, path))
 
 
 def chain(sched, cfg, tmp_path):
@@ -156,8 +166,8 @@ def test_emulate_two_processes_in_reservation_order(sched, tmp_path):
         welcome(sched, idents[v], [v])
     t0 = now_us() + 30_000
     # Batch 2 is reserved before batch 1 on vGPU 0; both arrive together: 2 must run first.
-    sched.send(idents[0], wire.dispatch(1, [0, 1], [t0 + 5000, t0 + 8000], [10, 11]), b"a", b"b")
-    sched.send(idents[0], wire.dispatch(2, [0, 1], [t0, t0 + 2000], [12]), b"c")
+    sched.send(idents[0], dispatch(1, [0, 1], [t0 + 5000, t0 + 8000], [10, 11]), b"a", b"b")
+    sched.send(idents[0], dispatch(2, [0, 1], [t0, t0 + 2000], [12]), b"c")
     results = {}
     while len(results) < 2:
         ident, h, frames = sched.recv(T.RESULT)
@@ -174,16 +184,23 @@ def test_emulate_two_processes_in_reservation_order(sched, tmp_path):
     assert by[(2, 0)][2] < by[(1, 0)][2]
 
 
-def test_a_forward_without_the_data_key_is_refused_and_the_chain_still_runs(sched, tmp_path):
-    """A socket that reached vGPU 1's data port but holds no WELCOME's data key (none, or a
-    wrong one) pushes FORWARDs: none runs (no RESULT for them, the executor logs them refused),
-    while the genuine chain 0 -> 1, whose executors were told the key, answers its batch."""
+def test_a_forward_without_its_hop_tag_is_refused_and_the_chain_still_runs(sched, tmp_path):
+    """A peer that reached vGPU 1's data port pushes FORWARDs without the scheduler's tag for
+    that batch and hop: no tags, junk, a tag under another executor's key (what a registered
+    executor of the plan, or one impersonating a vGPU, could make), and a genuine tag replayed
+    for another batch, hop or vGPU. None runs (no RESULT, the executor logs them refused),
+    while the genuine chain 0 -> 1 answers its batch."""
     cfg = write_config(tmp_path)
     procs, idents, directory = chain(sched, cfg, tmp_path)
     intruder = pusher_to(sched, directory[1])
-    for k, key in enumerate((b"", b"x" * 16, DATA_KEY[:-1] + b"?")):
-        intruder.send_multipart([wire.forward(100 + k, [0, 1], [0, 0], 1, [50 + k], None, key), b"forged"])
-    sched.send(idents[0], wire.dispatch(7, [0, 1], [0, 0], [1]), b"genuine")
+    genuine7 = wire.path_tags([KEYS[0], KEYS[1]], 7, [0, 1])
+    forged = [[], [b"x" * 16], wire.path_tags([KEYS[0], KEYS[0]], 100, [0, 1]),  # vGPU 0's key
+              genuine7,  # batch 7's tag on batch 103
+              [wire.hop_tag(KEYS[1], 104, 2, 1)],  # another hop
+              [wire.hop_tag(KEYS[1], 105, 1, 0)]]  # another vGPU
+    for k, tags in enumerate(forged):
+        intruder.send_multipart([wire.forward(100 + k, [0, 1], [0, 0], 1, [50 + k], None, tags), b"forged"])
+    sched.send(idents[0], dispatch(7, [0, 1], [0, 0], [1]), b"genuine")
     ident, h, frames = sched.recv(T.RESULT)
     assert (ident, h.batch, h.ids, frames) == (idents[1], 7, [1], [b"genuine"])
     with pytest.raises(AssertionError):  # nothing of the intruder's comes back
@@ -193,7 +210,7 @@ def test_a_forward_without_the_data_key_is_refused_and_the_chain_still_runs(sche
         p.terminate()
         p.wait(timeout=10)
     log = procs[1].stderr.read()
-    assert "unauthorized" in log and "data key" in log, log
+    assert log.count("without the scheduler's tag") >= 1 and "unauthorized" in log, log
 
 
 def test_ort_partitions_fp16_hop_and_bad_frame(sched, tmp_path):
@@ -206,7 +223,7 @@ def test_ort_partitions_fp16_hop_and_bad_frame(sched, tmp_path):
     welcome(sched, ident, [0, 1])
     rng = np.random.default_rng(1)
     x = rng.normal(0, 1, (2, *tiny.INPUT_SHAPE)).astype(np.float32)
-    sched.send(ident, wire.dispatch(5, [0, 1], [0, 0], [1, 2, 3]), x[0].tobytes(), b"short", x[1].tobytes())
+    sched.send(ident, dispatch(5, [0, 1], [0, 0], [1, 2, 3]), x[0].tobytes(), b"short", x[1].tobytes())
     got = {}
     while 5 not in got or "failed" not in got:
         _, h, frames = sched.recv(T.RESULT)
@@ -231,9 +248,9 @@ def test_cancel_and_reregister(sched, tmp_path):
     ident, _, _ = sched.recv(T.REGISTER)
     welcome(sched, ident, [0, 1])
     t0 = now_us() + 200_000
-    sched.send(ident, wire.dispatch(9, [0, 1], [t0, t0 + 2000], [1]), b"x")
+    sched.send(ident, dispatch(9, [0, 1], [t0, t0 + 2000], [1]), b"x")
     sched.send(ident, wire.cancel([9]))
-    sched.send(ident, wire.dispatch(10, [0, 1], [0, 0], [2]), b"y")
+    sched.send(ident, dispatch(10, [0, 1], [0, 0], [2]), b"y")
     _, h, frames = sched.recv(T.RESULT)
     assert h.batch == 10 and frames == [b"y"]
     with pytest.raises(AssertionError):
@@ -439,7 +456,7 @@ def test_a_forward_of_any_shape_is_an_error_text_never_an_exception(meta, frames
 
 def test_frames_past_the_tensor_cap_are_neither_received_nor_sent(sched, tmp_path):
     """``limits.max_tensor_bytes`` is ZMQ_MAXMSGSIZE on the data socket: a FORWARD whose frame
-    is larger (here with the right data key, which alone would get it run) is dropped by libzmq
+    is larger (here with the right hop tag, which alone would get it run) is dropped by libzmq
     before it is allocated, and the executor serves on. An executor whose own output is larger
     fails the batch with a reason naming the key instead of sending a frame the next hop's
     socket would drop without a word."""
@@ -448,18 +465,20 @@ def test_frames_past_the_tensor_cap_are_neither_received_nor_sent(sched, tmp_pat
     procs, idents, directory = chain(sched, cfg, tmp_path)
     pusher = pusher_to(sched, directory[1])
     big = wire.MAX_HEADER_BYTES + wire.FRAME_SLACK + 1  # (no socket takes less than a header)
-    pusher.send_multipart([wire.forward(100, [0, 1], [0, 0], 1, [50], None, DATA_KEY), b"x" * big])
+    pusher.send_multipart([wire.forward(100, [0, 1], [0, 0], 1, [50], None,
+                                        wire.path_tags([KEYS[0], KEYS[1]], 100, [0, 1])), b"x" * big])
     with pytest.raises(AssertionError):  # dropped before it ran
         sched.recv(T.RESULT, timeout_s=0.5)
-    pusher.send_multipart([wire.forward(101, [0, 1], [0, 0], 1, [51], None, DATA_KEY), b"small"])
+    pusher.send_multipart([wire.forward(101, [0, 1], [0, 0], 1, [51], None,
+                                        wire.path_tags([KEYS[0], KEYS[1]], 101, [0, 1])), b"small"])
     ident, h, frames = sched.recv(T.RESULT)  # the same sender, reconnected, within the cap
     assert (ident, h.batch, h.ids, frames) == (idents[1], 101, [51], [b"small"])
-    sched.send(idents[0], wire.dispatch(7, [0, 1], [0, 0], [1, 2]), b"y" * 9, b"z" * (cap + 1))
+    sched.send(idents[0], dispatch(7, [0, 1], [0, 0], [1, 2]), b"y" * 9, b"z" * (cap + 1))
     ident, h, frames = sched.recv(T.RESULT)  # (ZMQ_MAXMSGSIZE caps each frame)
     assert ident == idents[0] and h.batch == 7 and h.ids == [] and frames == []
     assert [x for x in h.failed if isinstance(x, int)] == [1, 2]
     assert all("limits.max_tensor_bytes" in x for x in h.failed if isinstance(x, str))
-    sched.send(idents[0], wire.dispatch(8, [0, 1], [0, 0], [3]), b"fits")
+    sched.send(idents[0], dispatch(8, [0, 1], [0, 0], [3]), b"fits")
     ident, h, frames = sched.recv(T.RESULT)
     assert (ident, h.batch, h.ids, frames) == (idents[1], 8, [3], [b"fits"])
     pusher.close(0)

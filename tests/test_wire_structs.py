@@ -21,7 +21,8 @@ from ppiped.wire import ProtocolError, T
 
 # name:kind per field, as the wire had them before the structs. u: unsigned int, i: int,
 # s: string, b: bytes, U: list of unsigned ints, I: list of ints, l: list, d: map, a: anything
-# (WELCOME.data_key and FORWARD.key came later, as optional trailing fields; c: an executor's
+# (WELCOME.data_key and DISPATCH/FORWARD.tags came later, as optional trailing fields, B: a list of
+# byte strings of at most 64 bytes (hop tags); c: an executor's
 # clock, 0 <= x < 2^62 µs, came later too: a clock near 2^64 overflowed the DISPATCHes built on it)
 OLD_SCHEMA = {
     T.SUBMIT: "model:s slo_us:u ids:U priority:u sent_us:u",
@@ -35,8 +36,8 @@ OLD_SCHEMA = {
     T.WELCOME: "assignments:l heartbeat_ms:u data_key:b",
     T.PEERS: "directory:l",
     T.HEARTBEAT: "clock_us:c queued:u",
-    T.DISPATCH: "batch:u path:U starts:I ids:U",
-    T.FORWARD: "batch:u path:U starts:I hop:u ids:U meta:a key:b",
+    T.DISPATCH: "batch:u path:U starts:I ids:U tags:B",
+    T.FORWARD: "batch:u path:U starts:I hop:u ids:U meta:a tags:B",
     T.RESULT: "batch:u ids:U meta:a failed:l feedback:I",
     T.FEEDBACK: "entries:I",
     T.CANCEL: "batches:U",
@@ -46,7 +47,7 @@ OLD_SCHEMA = {
     T.PRELOADED: "prep:u load_us:u error:s",
 }
 # trailing fields that may be left out, with the values they then take
-OLD_OPTIONAL = {T.SUBMIT: (0, 0), T.QUERY: (0, 0, 0), T.WELCOME: (b"",), T.FORWARD: (b"",)}
+OLD_OPTIONAL = {T.SUBMIT: (0, 0), T.QUERY: (0, 0, 0), T.WELCOME: (b"",), T.DISPATCH: ([],), T.FORWARD: ([],)}
 FIELDS = {t: [f.split(":") for f in spec.split()] for t, spec in OLD_SCHEMA.items()}
 
 _OK = {
@@ -55,6 +56,7 @@ _OK = {
     "c": lambda x: type(x) is int and 0 <= x < 2**62,
     "s": lambda x: type(x) is str,
     "b": lambda x: type(x) is bytes,
+    "B": lambda x: type(x) is list and all(type(i) is bytes and len(i) <= 64 for i in x),
     "U": lambda x: type(x) is list and all(type(i) is int and i >= 0 for i in x),
     "I": lambda x: type(x) is list and all(type(i) is int for i in x),
     "l": lambda x: type(x) is list,
@@ -97,6 +99,7 @@ values = st.recursive(scalars, lambda inner: st.one_of(
 uints = st.integers(0, 2**64 - 1)
 ints = st.integers(-2**63, 2**63 - 1)
 KINDS = {"u": uints, "i": ints, "c": st.integers(0, 2**62 - 1), "s": st.text(max_size=12), "b": st.binary(max_size=20),
+         "B": st.lists(st.binary(max_size=64), max_size=4),
          "U": st.lists(uints, max_size=40),
          "I": st.lists(ints, max_size=40), "l": st.lists(values, max_size=4),
          "d": st.dictionaries(st.text(max_size=6), values, max_size=4), "a": values}

@@ -131,6 +131,7 @@ class CtlServer:
 
     async def replan(self, req: dict[str, Any]) -> dict[str, Any]:
         srv = self.srv
+        dry, wait = _flag(req, "dry_run"), _flag(req, "wait")  # all refusals before anything starts
         w = req.get("weights")
         weights = None
         if w is not None:
@@ -155,9 +156,8 @@ class CtlServer:
                                  f"{MAX_PLAN_FILE_BYTES >> 20} MiB")
             # read off the loop: serving goes on while a large plan is parsed
             plan = await asyncio.to_thread(load_plan, path, srv.plan.cluster)
-        dry = _flag(req, "dry_run")
         task = srv.replanner.start(weights, dry, "ctl", plan)
-        if not (_flag(req, "wait") or dry):
+        if not (wait or dry):
             return {"ok": True, "started": True, "version": srv.plan_version}
         return await asyncio.shield(task)
 

@@ -188,7 +188,7 @@ class Batch:
 
 class ExecState:
     __slots__ = ("ident", "vgpus", "endpoint", "backend", "pid", "incarnation", "last_seen", "offsets",
-                 "offset", "ready", "rewelcome")
+                 "offset", "ready", "rewelcome", "key")
 
     def __init__(self, ident: bytes, vgpus: list[int], endpoint: str, backend: str, pid: int,
                  incarnation: int) -> None:
@@ -199,6 +199,7 @@ class ExecState:
         self.offset = 0  # executor clock minus scheduler clock (µs), less the smallest one-way delay
         self.ready = False
         self.rewelcome = False  # told to re-register for a new plan: its heartbeats do not count yet
+        self.key = os.urandom(16)  # of its hop tags (wire.hop_tag): told to it alone, in WELCOME
 
     def clock_sample(self, exec_clock: int, t: int) -> None:
         self.offsets.append(exec_clock - t)
@@ -344,9 +345,6 @@ class Server:
         self._warned: dict[str, int] = {}  # warning kind -> µs when last logged (rate limit)
         # Differs on every start: clients that see it change know their pending requests are gone.
         self.epoch = int.from_bytes(os.urandom(6), "big")
-        # What FORWARDs between this scheduler's executors carry (WELCOME tells the assigned ones):
-        # a socket that reaches an executor's data port without an assignment cannot push work.
-        self.data_key = os.urandom(16)
         from .apps import Queries  # (it builds on this module's Req)
 
         self.queries = Queries(self)  # the plan's apps: multi-model queries
@@ -693,7 +691,7 @@ class Server:
         if sh is None or sh.st is not st:  # (a replan may have removed the model, then added it back)
             sh = peer.shares[model] = Share(st)
         delay = peer.queue_delay(t, sent, slo)  # how long it queued before the daemon read it
-        if delay == slo:
+        if delay == slo and slo >= self.fastest_us[m]:
             self._late_on_arrival(ident, ids, st, prio, "late_on_arrival",
                                   f"queued {delay / 1000:.1f} ms before it was read")
             return
@@ -1052,7 +1050,9 @@ class Server:
             batch = Batch(bid, models[i], path, infer_h, link_h, dict(zip(ids, rs)), finish[i])  # noqa: B905
             batch.span = finish[i] - min(starts[res0[i]:res0[i] + nres[i]], default=finish[i])
             try:
-                send_parts(exe, [execs[0].ident, wire.dispatch(bid, path, hop_start, ids), *[r.frame for r in rs]])
+                tags = wire.path_tags([e.key for e in execs], bid, path) if k > 1 else ()
+                send_parts(exe, [execs[0].ident, wire.dispatch(bid, path, hop_start, ids, tags),
+                                 *[r.frame for r in rs]])
             except zmq.ZMQError as e:  # the executor's connection is gone (mandatory routing)
                 log.warning("dispatch-failed", vgpu=path[0], error=str(e))
                 self._book(batch, due, 0)
@@ -1241,10 +1241,11 @@ class Server:
     def _welcome(self, ident: bytes, vgpus: list[int]) -> None:
         """WELCOME with the assignments in force; vGPUs the plan lacks wait on standby until a plan
         has them (a replan to fewer vGPUs, or an executor started ahead of the plan that needs it).
-        Only an executor with an assignment is told the data key its FORWARDs must carry."""
+        Only an executor with an assignment is told its key (see wire.hop_tag)."""
         assignments = self.wire_assignments(vgpus)
+        ex = self.execs.get(ident)
         self._send_exec(ident, wire.welcome(assignments, self.cfg.heartbeat_interval_ms,
-                                            self.data_key if assignments else b""))
+                                            ex.key if assignments and ex is not None else b""))
 
     def wire_assignments(self, vgpus: list[int], assignments: list[wire.Assignment] | None = None) -> list[list]:
         """The assignments (those in force by default) of the vGPUs among ``vgpus`` that the plan

@@ -116,12 +116,13 @@ def ipc_taken(path: str) -> str | None:
 class Job:
     """One batch at one hop: its reservation, request ids, payload frames and tensor meta."""
 
-    __slots__ = ("batch", "path", "starts", "hop", "ids", "frames", "meta", "ready_us", "seq")
+    __slots__ = ("batch", "path", "starts", "hop", "ids", "frames", "meta", "ready_us", "seq", "tags")
 
     def __init__(self, batch: int, path: list, starts: list, hop: int, ids: list, frames: list,
-                 meta: Any, ready_us: int, seq: int) -> None:
+                 meta: Any, ready_us: int, seq: int, tags: list) -> None:
         self.batch, self.path, self.starts, self.hop = batch, path, starts, hop
         self.ids, self.frames, self.meta, self.ready_us, self.seq = ids, frames, meta, ready_us, seq
+        self.tags = tags  # DISPATCH.tags, passed on to every later hop
 
     def __lt__(self, other: Job) -> bool:
         a, b = self.starts[self.hop], other.starts[other.hop]
@@ -266,7 +267,7 @@ class Executor:
         self.counters = {"batches": 0, "requests": 0, "forwarded": 0, "dropped_no_peer": 0,
                          "bad_peer_messages": 0, "forwards_refused": 0, "bad_jobs": 0, "run_us": 0,
                          "wait_us": 0, "loop_lag_max_us": 0}
-        self.data_key = b""  # WELCOME's: every FORWARD to or from this executor carries it
+        self.data_key = b""  # WELCOME's: the key of this executor's hop tags (wire.hop_tag)
         # the scheduler and every peer cap frames alike (the same config and profiles)
         self.tensor_cap, self.tensor_cap_from = tensor_frame_cap(cfg)
 
@@ -386,7 +387,8 @@ class Executor:
             if t == T.DISPATCH:
                 ids = h.ids
                 wire.expect_frames(h, len(msg) - 1, len(ids))
-                self.accept(Job(h.batch, h.path, h.starts, 0, ids, msg[1:], None, now_us(), next(self.seq)))
+                self.accept(Job(h.batch, h.path, h.starts, 0, ids, msg[1:], None, now_us(), next(self.seq),
+                                h.tags))
             elif t == T.CANCEL:
                 self.on_cancel(h.batches)
             elif t == T.PEERS:
@@ -641,19 +643,20 @@ class Executor:
             h = wire.decode(msg[0])
             if h.type != T.FORWARD:
                 raise wire.ProtocolError(wire.MALFORMED, f"unexpected {T(h.type).name} on the data socket")
-            batch, path, starts, hop, ids, meta = h.batch, h.path, h.starts, h.hop, h.ids, h.meta
+            batch, path, starts, hop, ids, meta, tags = h.batch, h.path, h.starts, h.hop, h.ids, h.meta, h.tags
             if meta is None:  # per-request frames; with a tensor spec, the batch's feature map(s)
                 wire.expect_frames(h, len(msg) - 1, len(ids))
             elif len(msg) < 2:
                 raise wire.ProtocolError(wire.MALFORMED, "FORWARD with a tensor spec carries no frame")
             if hop < 1:
                 raise wire.ProtocolError(wire.MALFORMED, "FORWARD.hop: hop 0 comes only from the scheduler")
-            if not self.data_key or not hmac.compare_digest(h.key, self.data_key):
+            if not self.data_key or hop >= len(path) or len(tags) < hop or not hmac.compare_digest(
+                    tags[hop - 1], wire.hop_tag(self.data_key, batch, hop, path[hop])):
                 self.counters["forwards_refused"] += 1
                 self.data_reader.flood()
-                raise wire.ProtocolError(wire.UNAUTHORIZED, "FORWARD without the scheduler's data key "
-                                         "(from a socket that is no executor of this plan)")
-            self.accept(Job(batch, path, starts, hop, ids, msg[1:], meta, now_us(), next(self.seq)))
+                raise wire.ProtocolError(wire.UNAUTHORIZED, f"FORWARD of batch {batch} hop {hop} without the "
+                                         "scheduler's tag for it (from a peer that was not given the batch)")
+            self.accept(Job(batch, path, starts, hop, ids, msg[1:], meta, now_us(), next(self.seq), tags))
         except wire.ProtocolError as e:
             self.counters["bad_peer_messages"] += 1
             if self.counters["bad_peer_messages"] & (self.counters["bad_peer_messages"] - 1) == 0:
@@ -710,9 +713,9 @@ class Executor:
         local = self.workers.get(nxt)
         if local is not None:
             local.push(Job(job.batch, job.path, job.starts, job.hop + 1, ids, frames, meta, now_us(),
-                           next(self.seq)))
+                           next(self.seq), job.tags))
             return
-        msg = [wire.forward(job.batch, job.path, job.starts, job.hop + 1, ids, meta, self.data_key), *frames]
+        msg = [wire.forward(job.batch, job.path, job.starts, job.hop + 1, ids, meta, job.tags), *frames]
         self._send_peer(nxt, job.batch, msg, now_us() + PEER_RETRY_US)
 
     def _send_peer(self, vgpu: int, batch: int, msg: list, give_up_us: int) -> None:
