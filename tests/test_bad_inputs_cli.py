@@ -80,6 +80,7 @@ SWEEP_CASES = {
     "start-above-max": (["--start", "5"], "above --max-factor"),
     "max-factor-below-resolution": (["--max-factor", "1e-9"], "below --resolution 0.01: no load factor to try"),
     "plot-dir-missing": (["--plot", "{tmp}/missing/a.png"], "does not exist"),
+    "jobs-absurd": (["--jobs", "100000"], "argument --jobs"),
 }
 
 

@@ -335,3 +335,30 @@ def test_single_model_name_ending_in_a_number_is_not_a_weight(tmp_path):
     f = tmp_path / "net_2_A-B_3-8_bw-gbps-10_sla-multiplier-5_v4.json"
     f.write_text(json.dumps(ref))
     assert [m.weight for m in import_reference(f).models] == [1.0]
+
+
+def test_check_reads_only_the_plans_profiles(syn_dirs, capsys):
+    """A broken profile of another model in the same folder does not fail a good plan."""
+    tmp, prof = syn_dirs
+    plan = _syn_plan({"alpha": [A_FIRST_0_2]}, _syn_cluster(a=3))
+    f = tmp / "plan.json"
+    f.write_text(json.dumps(plan.to_json()))
+    bad = json.loads((prof / "beta.json").read_text())
+    bad["boundary_bytes"][0] = "many"
+    (prof / "beta.json").write_text(json.dumps(bad))
+    assert cli(["check", str(f), "--profiles", str(prof)]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def test_a_profile_quicker_at_larger_batches_is_planned(tmp_path):
+    """Batch size 1 misses the SLO, batch size 2 meets it (measured profiles are not always
+    monotone in the batch): the plan uses batch size 2 instead of refusing the model."""
+    from ppiped.planner import plan_cluster
+
+    lat = np.outer([300.0, 300.0], [4.0, 1.0])  # per block: 1,200 µs at batch 1, 300 µs at 2
+    p = Profile("rev", 2, {"A": {1: lat}}, np.array([1000.0]), {"A": 2400.0})
+    cluster = cluster_from_json({"nic_gbps": 10, "gpus": {"A": {"count": 2, "per_server": 2, "splits": [1]}}})
+    plan = plan_cluster({"rev": p}, ["rev"], [1.0], cluster, PlanParams(slo_scale=None, slo_reference_gpu=None),
+                        "ppipe", 10, None, slos_us=[2000.0])
+    assert {q.batch_size for pl in plan.models[0].pipelines for q in pl.partitions} == {2}
+    assert check(plan, {"rev": p}) == []

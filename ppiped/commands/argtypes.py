@@ -144,6 +144,9 @@ LOAD_FACTOR = number(0, 1000, lo_open=True)
 FRACTION = number(0, 1)
 POSITIVE = number(0, lo_open=True)
 POSITIVE_INT = integer(1)
+MAX_JOBS = 256
+JOBS = integer(1, MAX_JOBS)
+"""Worker processes: at most 256 (each is a forked simulator; 100,000 of them hung the host)."""
 
 
 def model_names(s: str) -> list[str]:

@@ -22,11 +22,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster) if args.cluster else None
     bad = 0
-    profiles = None
+    profiles: dict = {}
     for path in args.plans:
         plan = load_plan(path, cluster)
-        if profiles is None:
-            profiles = load_profiles(args.profiles)
+        # only the plan's own models: an unrelated broken file in the folder is not this plan's fault
+        wanted = [m.model for m in plan.models if m.model not in profiles]
+        if wanted:
+            profiles.update(load_profiles(args.profiles, wanted))
         violations = check(plan, profiles, cluster)
         bad += bool(violations)
         if args.json:

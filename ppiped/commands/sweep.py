@@ -10,7 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from ..errors import InputError
-from .argtypes import LOAD_FACTOR, POSITIVE_INT, check_request_count, number, output_file
+from .argtypes import JOBS, LOAD_FACTOR, check_request_count, number, output_file
 from .sim import _finite, add_world_args, options_from
 
 MAX_COARSE_POINTS = 10_000
@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a guess of the answer: search from there instead of from one step (same result, fewer runs)")
     p.add_argument("--max-factor", type=LOAD_FACTOR, default=3.0,
                    help="largest load factor tried (default 3)")
-    p.add_argument("--jobs", type=POSITIVE_INT, default=1, help="worker processes (2: both cores)")
+    p.add_argument("--jobs", type=JOBS, default=1, help="worker processes, at most 256 (2: both cores)")
     p.add_argument("--json", action="store_true", help="one JSON line per plan")
     p.add_argument("--plot", metavar="FILE", type=output_file,
                    help="attainment vs load factor per plan (PNG, PPipe Figure 7); runs every point to the end")
