@@ -104,6 +104,20 @@ def _num(x: Any, where: str) -> float:
     return float(x)
 
 
+# A latency outside these (µs) is no measurement of a GPU kernel (1 ns .. 3 hours): planning
+# with one sized instance tables by the billion, or took 1e-10 requests/s for an optimum.
+MIN_LATENCY_US = 1e-3
+MAX_LATENCY_US = 1e10
+
+
+def _latency(x: Any, where: str) -> float:
+    v = _num(x, where)
+    if not MIN_LATENCY_US <= v <= MAX_LATENCY_US:
+        raise ProfileError(f"{where}: {v:g} µs is outside {MIN_LATENCY_US:g}..{MAX_LATENCY_US:g} µs "
+                           "(latencies are microseconds)")
+    return v
+
+
 def profile_from_json(d: Any, source: str = "<memory>") -> Profile:
     """Validate a decoded profile and build a :class:`Profile`. Errors name ``source`` and the field."""
     if not isinstance(d, dict):
@@ -146,7 +160,7 @@ def profile_from_json(d: Any, source: str = "<memory>") -> Profile:
             if len(widths) != 1 or min(widths) < 1:
                 raise ProfileError(f"{where}: every block needs the same non-empty list of batch sizes")
             arr = np.array(
-                [[_num(x, f"{where}[{i}][{j}]") for j, x in enumerate(b)] for i, b in enumerate(blocks)],
+                [[_latency(x, f"{where}[{i}][{j}]") for j, x in enumerate(b)] for i, b in enumerate(blocks)],
                 dtype=np.float64,
             )
             latency[gpu][split] = arr
@@ -158,7 +172,7 @@ def profile_from_json(d: Any, source: str = "<memory>") -> Profile:
     wm = d["whole_model_latency_us"]
     if not isinstance(wm, dict) or not wm:
         raise ProfileError(f"{source}: field whole_model_latency_us: expected an object keyed by GPU")
-    whole = {g: _num(x, f"{source}: field whole_model_latency_us.{g}") for g, x in wm.items()}
+    whole = {g: _latency(x, f"{source}: field whole_model_latency_us.{g}") for g, x in wm.items()}
     known = {"format", "model", "num_blocks", "block_latency_us", "boundary_bytes", "whole_model_latency_us"}
     extra = {k: v for k, v in d.items() if k not in known}
     return Profile(model, nb, latency, boundary, whole, extra, source)

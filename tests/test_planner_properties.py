@@ -241,3 +241,44 @@ def test_items_beaten_by_copies_of_another_never_change_the_knapsack(items, tota
         got += gain[keep][i]
         u -= int(cost[keep][i])
     assert got == pytest.approx(pruned[total], rel=1e-12)
+
+
+def _small_world(nb: int = 4, splits: int = 2):
+    lat = {g: {v: np.outer(np.full(nb, 1000.0 * s * (1 + 0.5 * (v - 1))), [1.0, 1.6]) for v in range(1, splits + 1)}
+           for g, s in (("A", 1.0), ("B", 2.0))}
+    prof = Profile("m", nb, lat, np.full(nb - 1, 100_000.0), {g: float(lat[g][1][:, 0].sum()) for g in lat})
+    cluster = cluster_from_json({"nic_gbps": 10, "gpus": {
+        g: {"count": 4, "per_server": 2, "splits": list(range(1, splits + 1))} for g in ("A", "B")}})
+    return {"m": prof}, cluster
+
+
+def test_a_killed_lp_child_still_gives_a_checked_plan(monkeypatch):
+    """When the LP relaxation's child is killed at its limit, the planner keeps the better of the
+    NP plan and a greedy one, says so (status feasible, lp killed, a bound it can back) and never
+    raises a traceback."""
+    import ppiped.planner.milp as milp
+
+    profiles, cluster = _small_world()
+    real = milp.in_child
+
+    def lp_killed(fn, limit_s):  # the LP's child killed at its limit; every other child runs
+        if "_lp_relaxation" in fn.__code__.co_names:
+            return None, "killed"
+        return real(fn, limit_s)
+
+    monkeypatch.setattr(milp, "in_child", lp_killed)
+    plan = plan_cluster(profiles, ["m"], [1.0], cluster, PlanParams(slo_scale=4.0, slo_reference_gpu="A"),
+                        "ppipe", 10, [500.0])
+    s = plan.solver
+    assert s["status"] == "feasible" and s["lp"] == "killed" and s["found_by"] in ("seed", "greedy")
+    assert plan.normalized_throughput > 0 and s["bound"] >= plan.normalized_throughput
+    assert check(plan, profiles) == []
+
+
+def test_an_enumeration_past_the_time_limit_is_a_clear_error():
+    """Configurations grow as blocks^partitions: a search that cannot be enumerated within the
+    plan's time limit ends with an error naming --max-partitions, instead of running on."""
+    profiles, cluster = _small_world(nb=40, splits=4)
+    params = PlanParams(slo_scale=50.0, slo_reference_gpu="A", max_partitions=8)
+    with pytest.raises(InputError, match="lower --max-partitions"):
+        plan_cluster(profiles, ["m"], [1.0], cluster, params, "ppipe", 1.0, [500.0])

@@ -11,6 +11,7 @@ offer it (DESIGN.md, "Control plane"):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -64,10 +65,12 @@ def plan_cluster(
         raise InputError(f"MIP gap is a fraction in [0, 1), got {mip_gap}")
     slo = req["slo"]
     for m in models:  # fail fast, naming the algorithm asked for, if even bs 1 misses the SLO
-        # (batch size 1 is usually the quickest; a profile where a larger batch is quicker, as
-        # some measured ones are, is checked at every size before it is refused)
-        if not algo_configs(profiles[m], cluster, params, algo, slo[m], None, max_batch=1) and \
-                not algo_configs(profiles[m], cluster, params, algo, slo[m], None):
+        # (a whole model on one GPU at batch size 1 settles it for most models at once; a profile
+        # where a larger batch is quicker, as some measured ones are, is tried at every size)
+        one = dataclasses.replace(params, max_partitions=1) if algo == "ppipe" else params
+        end = t0 + time_limit
+        if not algo_configs(profiles[m], cluster, one, algo, slo[m], None, 1, end) and \
+                not algo_configs(profiles[m], cluster, params, algo, slo[m], None, None, end):
             raise InputError(_no_config_message(profiles[m], cluster, params, algo, slo[m]))
     rates: dict[str, float]
     np_plan: Plan | None = None
@@ -164,22 +167,25 @@ def _np_rates(profiles, models, weights, cluster, params, slo, deadline, threads
 
 
 def algo_configs(profile: Profile, cluster: Cluster, params: PlanParams, algo: str, slo_us: float,
-                 rate_rps: float | None, max_batch: int | None = None) -> list[PipelineConfig]:
-    """The configurations ``algo`` offers the MILP for one model, after pruning."""
+                 rate_rps: float | None, max_batch: int | None = None,
+                 deadline: float = math.inf) -> list[PipelineConfig]:
+    """The configurations ``algo`` offers the MILP for one model, after pruning (an InputError
+    once ``deadline`` passes while they are enumerated)."""
     whole = {g: (1,) for g in cluster.gpus}
     if algo == "np":
         return prune_dominated(enumerate_configs(profile, cluster, params, slo_us, rate_rps, 1, whole,
-                                                 max_batch))
+                                                 max_batch, deadline))
     if algo == _NP_VGPUS:
         return prune_dominated(enumerate_configs(profile, cluster, params, slo_us, rate_rps, 1, None,
-                                                 max_batch))
+                                                 max_batch, deadline))
     if algo == "dart-r":
-        return _dart_configs(profile, cluster, params, slo_us, rate_rps, max_batch)
+        return _dart_configs(profile, cluster, params, slo_us, rate_rps, max_batch, deadline)
     return prune_dominated(enumerate_configs(profile, cluster, params, slo_us, rate_rps,
-                                             params.max_partitions, None, max_batch))
+                                             params.max_partitions, None, max_batch, deadline))
 
 
-def _dart_configs(profile, cluster, params, slo_us, rate_rps, max_batch=None) -> list[PipelineConfig]:
+def _dart_configs(profile, cluster, params, slo_us, rate_rps, max_batch=None,
+                  deadline: float = math.inf) -> list[PipelineConfig]:
     """DART-r: the best whole-model pipeline per GPU type, and the best low+high pair per pair
     of types (whole GPUs, one of each per replica, so one count serves both partitions).
 
@@ -190,7 +196,7 @@ def _dart_configs(profile, cluster, params, slo_us, rate_rps, max_batch=None) ->
     best: dict[tuple[str, ...], PipelineConfig] = {}
     rate: dict[tuple[str, ...], float] = {}
     parts = min(2, params.max_partitions)
-    for c in enumerate_configs(profile, cluster, params, slo_us, rate_rps, parts, whole, max_batch):
+    for c in enumerate_configs(profile, cluster, params, slo_us, rate_rps, parts, whole, max_batch, deadline):
         types = c.gpus
         if len(types) == 2 and types[0] == types[1]:
             continue
@@ -206,12 +212,14 @@ def _dart_configs(profile, cluster, params, slo_us, rate_rps, max_batch=None) ->
 
 def _plan_once(profiles, models, weights, cluster, params, algo, slo, rates, time_limit, threads,
                mip_gap, seed: Plan | None = None) -> Plan:
+    deadline = time.perf_counter() + time_limit
     configs = {}
     for m in models:
-        cs = algo_configs(profiles[m], cluster, params, algo, slo[m], rates[m])
+        cs = algo_configs(profiles[m], cluster, params, algo, slo[m], rates[m], deadline=deadline)
         if not cs:
             raise InputError(_no_config_message(profiles[m], cluster, params, algo, slo[m]))
         configs[m] = cs
+    time_limit = max(0.5, deadline - time.perf_counter())  # what the enumeration left
     seeds = [a] if seed is not None and (a := _as_allocation(seed, configs)) else []
     try:
         allocs, info = solve_allocation(configs, weights, cluster, time_limit, threads, mip_gap,

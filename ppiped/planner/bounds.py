@@ -120,7 +120,7 @@ def knapsack_bound(
     unit = max(min(positive) / _UNITS_PER_GPU, budget / _MAX_UNITS)
     total = int(math.floor(budget / unit + 1e-9))
     if instances is None:
-        instances = {mm: model_instances(cs, weights[mm] * z_cap) for mm, cs in configs.items()}
+        instances = {mm: model_instances(cs, weights[mm] * z_cap, cluster) for mm, cs in configs.items()}
     tables = knapsack_tables(instances, prices, unit, total, cluster)
     priced = [g for g, p in top.items() if p > 0]
     whole = None
@@ -176,13 +176,19 @@ class Instances:
         return self.configs[c], tuple(int(n) for n in self.counts[c][i - self.first[c]])
 
 
-def model_instances(cfgs: list[PipelineConfig], need: float) -> Instances:
-    """The efficient instances of ``cfgs`` up to throughput ``need`` (vectorised per config)."""
+def model_instances(cfgs: list[PipelineConfig], need: float, cluster: Cluster | None = None) -> Instances:
+    """The efficient instances of ``cfgs`` up to throughput ``need`` (vectorised per config), and,
+    given the ``cluster``, no larger than its pools: a pool of more vGPUs than the cluster has of
+    that type is in no plan (and a profile of microsecond blocks on a few GPUs would otherwise
+    list billions of sizes up to ``need``)."""
     pools = sorted({(s.gpu, d) for c in cfgs for d, s in enumerate(c.segments)})
     col = {p: i for i, p in enumerate(pools)}
     gpus, gains, owner, counts = [], [], [], []
+    need0 = need
     for ci, c in enumerate(cfgs):
         t = np.array([s.rps_per_vgpu for s in c.segments])
+        if cluster is not None:
+            need = min(need0, min(s.rps_per_vgpu * cluster.gpus[s.gpu].count * s.split for s in c.segments))
         if c.tied:
             n = np.arange(1, max(1, math.ceil(need / t.min() - 1e-9)) + 1)
             ns = np.repeat(n[:, None], len(t), axis=1)

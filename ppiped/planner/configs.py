@@ -10,12 +10,15 @@ configuration beats on every pool at no loss of granularity.
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
 
 from ..cluster import Cluster
+from ..errors import InputError
 from ..plan import PlanParams, batch_delay_us, per_vgpu_throughput_rps, slo_margin_us
 from ..profiles import Profile
 
@@ -60,6 +63,8 @@ def latency_budget_us(slo_us: float, params: PlanParams) -> float:
 
 # A configuration is kept when it fits the budget up to this many µs of float noise.
 _LAT_EPS_US = 1e-6
+# Most configurations one model may enumerate (about 1 KB each before pruning).
+MAX_CONFIGS = 5_000_000
 
 
 def _segment_options(
@@ -86,11 +91,14 @@ def enumerate_configs(
     max_partitions: int,
     splits: dict[str, tuple[int, ...]] | None = None,
     max_batch: int | None = None,
+    deadline: float = math.inf,
 ) -> list[PipelineConfig]:
     """Every configuration of ``profile`` that meets the SLO, before any dominance pruning.
 
     ``rate_rps`` is λ of the batching-delay estimate (None: no delay, as when bootstrapping NP).
     ``splits`` restricts the vGPU splits per GPU type (default: what the cluster allows).
+    ``deadline`` (``time.perf_counter()``): past it, a clear error instead of an enumeration
+    that outlives the plan's time limit (the count grows as blocks^partitions x pool kinds^partitions).
     """
     splits = splits or {}
     opts = _segment_options(profile, cluster, splits)
@@ -134,6 +142,11 @@ def enumerate_configs(
             for cuts in itertools.combinations(range(1, nb), parts - 1):
                 bounds = (0, *cuts, nb)
                 _chains(seg, usable, bounds, bs, room, fastest_tail, profile.model, delay, out)
+                if len(out) > MAX_CONFIGS or time.perf_counter() > deadline:
+                    raise InputError(
+                        f"{profile.model}: {len(out):,} pipeline configurations enumerated (up to {parts} "
+                        f"partitions, batch size {bs}) when the {'time limit passed' if len(out) <= MAX_CONFIGS else f'cap of {MAX_CONFIGS:,} was reached'}"
+                        f": lower --max-partitions (now {max_partitions}) or --slo-scale, or raise --time-limit")
     return out
 
 

@@ -213,7 +213,7 @@ def solve_allocation(
     lp, how = in_child(lambda: _lp_relaxation(configs, weights, cluster, threads, share_gpus),
                        max(1.0, time_limit_s) + KILL_GRACE_S)
     if lp is None:
-        raise RuntimeError(f"the LP relaxation's child was {how}")
+        return _without_lp(configs, weights, cluster, share_gpus, t0, time_limit_s, threads, how, seeds)
     if lp[0] is None:
         raise NoSolution("the LP relaxation has no solution")
     z_lp, lp_prices, lp_used = lp[0], lp[1], {id(c) for mm, i in lp[2] for c in [configs[mm][i]]}
@@ -277,6 +277,32 @@ def solve_allocation(
     return allocs, info
 
 
+def _without_lp(configs, weights, cluster, share_gpus, t0, time_limit_s, threads, how, seeds
+                ) -> tuple[list[Allocation], SolveInfo]:
+    """When even the LP relaxation did not finish within the limit (its child was killed): the
+    better of the seeds (the NP plan) and the greedy plan at equal GPU prices, reported
+    ``feasible`` against the fluid bound, or NoSolution. The operator gets a plan and is told
+    how good it may be, not a traceback."""
+    log.warning("planner: the LP relaxation's child was %s (limit %.1f s, %d configurations); "
+                "keeping the best of the NP plan and a greedy one", how, time_limit_s,
+                sum(len(v) for v in configs.values()))
+    tries = [(list(s), "seed") for s in seeds]
+    tries.append((_greedy(configs, weights, cluster, dict.fromkeys(cluster.gpus, 1.0), share_gpus), "greedy"))
+    tries = [(a, src) for a, src in tries if a and _fits(a, cluster, share_gpus) and _objective(a, weights) > 0]
+    if not tries:
+        raise NoSolution(f"the LP relaxation did not finish in {time_limit_s:.0f} s ({how}) and the greedy "
+                         "plan serves not every model")
+    allocs, found_by = max(tries, key=lambda t: _objective(t[0], weights))
+    z = _objective(allocs, weights)
+    bound = max(z, min(fluid_bound(configs[mm], cluster) / weights[mm] for mm in configs))
+    allocs = [Allocation(a.config, _trim(a.config, a.vgpus)) for a in allocs if min(a.vgpus) > 0]
+    info = SolveInfo(status="feasible", objective=z, bound=bound, gap=_gap(z, bound),
+                     solve_s=time.perf_counter() - t0, num_configs=sum(len(v) for v in configs.values()),
+                     num_vars=0, num_int=0, num_constrs=0, threads=threads, time_limit_s=time_limit_s,
+                     extra={"lp": how, "found_by": found_by, "bound_by": "fluid"})
+    return allocs, info
+
+
 # Seconds kept back from CBC at the end for reading its answer and building the plan.
 _DEADLINE_MARGIN_S = 1.0
 # The restricted MILP gets this many seconds, or this share of what is left if more, but never
@@ -329,12 +355,12 @@ class _Search:
         self._t = now
 
     def done(self) -> bool:
-        return self.best_z >= self.bound * (1 - self.rel_gap) - 1e-9
+        return self.best_z >= self.bound * (1 - self.rel_gap) - 1e-9 * abs(self.bound)
 
     def offer(self, allocs: list[Allocation], source: str) -> None:
         if allocs and _fits(allocs, self.cluster, self.share_gpus):
             z = _objective(allocs, self.weights)
-            if z > self.best_z + 1e-9:
+            if z > self.best_z and (self.best_z <= 0 or z > self.best_z * (1 + 1e-12)):
                 self.best, self.best_z = allocs, z
                 self.phases["found_by"] = source
 
@@ -343,7 +369,7 @@ class _Search:
         fits, and its configurations for the restricted MILP."""
         self.price_tries += 1
         if self.instances is None:
-            self.instances = {mm: model_instances(cs, self.weights[mm] * self.z_lp)
+            self.instances = {mm: model_instances(cs, self.weights[mm] * self.z_lp, self.cluster)
                               for mm, cs in self.configs.items()}
         kb = knapsack_bound(self.configs, self.weights, self.cluster, prices, self.z_lp, self.instances,
                             round_per_model=not self.share_gpus)
@@ -497,7 +523,7 @@ def _cbc_in_process(configs, weights, cluster, z_cap, time_limit_s, threads, rel
     B = _build(configs, weights, cluster, integer=True, z_cap=cap, threads=threads, share_gpus=share_gpus)
     m = B.model
     m.max_mip_gap = rel_gap
-    m.max_mip_gap_abs = 1e-6
+    m.max_mip_gap_abs = 0.0  # the relative gap alone: objectives of any scale (an absolute one called 1e-10 optimal)
     if start:
         vals = _start_values(start, B.xs, weights, B.z)
         if vals:
