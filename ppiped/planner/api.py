@@ -210,6 +210,10 @@ def _dart_configs(profile, cluster, params, slo_us, rate_rps, max_batch=None,
     return out
 
 
+# Share of a plan's time limit spent first on its configurations of at most two partitions.
+_SHORT_SHARE = 0.25
+
+
 def _plan_once(profiles, models, weights, cluster, params, algo, slo, rates, time_limit, threads,
                mip_gap, seed: Plan | None = None) -> Plan:
     deadline = time.perf_counter() + time_limit
@@ -221,6 +225,18 @@ def _plan_once(profiles, models, weights, cluster, params, algo, slo, rates, tim
         configs[m] = cs
     time_limit = max(0.5, deadline - time.perf_counter())  # what the enumeration left
     seeds = [a] if seed is not None and (a := _as_allocation(seed, configs)) else []
+    short = {m: [c for c in cs if len(c.segments) <= 2] for m, cs in configs.items()}
+    if all(short.values()) and any(len(short[m]) < len(configs[m]) for m in models):
+        # A longer partition limit searches a superset, but in a larger MILP that may not get as
+        # far in the time: the best plan of at most two partitions, found first in a share of
+        # the time, seeds it, so raising --max-partitions never gives a worse plan.
+        try:
+            sub, _ = solve_allocation(short, weights, cluster, _SHORT_SHARE * time_limit, threads, mip_gap,
+                                      share_gpus=params.share_gpus, seeds=seeds)
+            seeds.append(sub)
+        except NoSolution:
+            pass
+        time_limit = max(0.5, deadline - time.perf_counter())
     try:
         allocs, info = solve_allocation(configs, weights, cluster, time_limit, threads, mip_gap,
                                         share_gpus=params.share_gpus, seeds=seeds)
