@@ -96,6 +96,7 @@ PLAN_CASES = {
     "output-is-dir": ([*CLUSTER, "-o", "{tmp}"], "is a directory"),
     "output-dir-missing": ([*CLUSTER, "-o", "{tmp}/missing/plan.json"], "does not exist"),
     "model-is-path": ([*CLUSTER, "--models", "../example/example"], "is a path"),
+    "model-trailing-comma": ([*CLUSTER, "--models", "example,"], "an empty model name"),
     "batch-delay-nan": ([*CLUSTER, "--batch-delay-factor", "nan"], "argument --batch-delay-factor"),
     "batch-delay-zero": ([*CLUSTER, "--batch-delay-factor", "0"], "argument --batch-delay-factor"),
     "batch-delay-negative": ([*CLUSTER, "--batch-delay-factor", "-1"], "argument --batch-delay-factor"),

@@ -152,9 +152,11 @@ JOBS = integer(1, MAX_JOBS)
 def model_names(s: str) -> list[str]:
     """Comma-separated model names: each names ``DIR/<name>.json`` in ``--profiles``, so it is
     a file stem, never a path (``../x`` would read a profile from outside the directory)."""
-    names = [m.strip() for m in s.split(",") if m.strip()]
-    if not names:
+    names = [m.strip() for m in s.split(",")]
+    if not any(names):
         raise argparse.ArgumentTypeError(f"expected comma-separated model names, got {s!r}")
+    if not all(names):  # "a,,b" or "a,": a name left out by mistake, not nothing
+        raise argparse.ArgumentTypeError(f"an empty model name in {s!r}")
     for m in names:
         if "/" in m or "\\" in m or m in (".", ".."):
             raise argparse.ArgumentTypeError(
