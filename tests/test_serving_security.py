@@ -273,7 +273,8 @@ def curve_cluster():
     with short_tmpdir("ppiped-curve-") as d:
         d = Path(d)
         keys = d / "keys"
-        extra = "[models.tiny]\ninput_bytes = 0\n" + curve_keys(keys, {"ex01": "0-1", "ex23": "2-3"})
+        extra = "[models.tiny]\ninput_bytes = 0\n" + curve_keys(keys, {"ex01": "0-1", "ex23": "2-3"},
+                                                                clients=("cam", "cam2"))
         plan, profiles = tiny.write_example(d)
         cfg = write_config(d, plan, profiles, heartbeat_ms=50, timeout_ms=1000,
                            scheduler={"wait_guard_us": 25_000}, extra=extra)
@@ -325,6 +326,54 @@ def test_curve_executor_keys_are_bound_to_their_vgpus(curve_cluster, tmp_path):
     with Client(c.client_endpoint, timeout_s=10, key_file=str(keys / "clients/cam.key_secret"),
                 server_key_file=str(keys / "server.key")) as cl:
         assert [r.data for r in cl.submit_many("tiny", [b"a", b"b", b"c"])] == [b"a", b"b", b"c"]
+
+
+def test_curve_a_reply_never_reaches_another_client_on_the_same_identity(curve_cluster):
+    """Client A (key cam) submits under the ROUTER identity b"victim" while the executors are
+    stopped, and leaves; client B (another allowed key) connects under the same identity. A's
+    reply, when it comes, is not sent to B: it was owed to a connection that closed."""
+    import signal
+
+    c, _, keys = curve_cluster
+    ctx = zmq.Context()
+
+    def client(name: str) -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTING_ID, b"victim")
+        connect_as(s, Security(curve=True, server=load_keypair(keys / "server.key")),
+                   own=load_keypair(keys / f"clients/{name}.key_secret", need_secret=True))
+        s.connect(c.client_endpoint)
+        return s
+
+    before = c.status()["models"]["tiny"]["accepted"]
+    for p in c.executors:
+        os.kill(p.pid, signal.SIGSTOP)
+    try:
+        a = client("cam")
+        a.send_multipart([wire.submit("tiny", 3_000_000, [4242]), b"SECRET-OF-A"])
+        deadline = time.monotonic() + 10
+        while c.status()["models"]["tiny"]["accepted"] == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        a.close(0)
+        time.sleep(0.5)  # the daemon hears of the disconnect
+        b = client("cam2")
+        b.send(wire.ping(7))
+        assert b.poll(5000)
+        assert wire.decode(b.recv_multipart()[0]).type == T.PONG
+    finally:
+        for p in c.executors:
+            os.kill(p.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 15
+    while not c.status()["counters"].get("replies_to_closed_connections") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert c.status()["counters"]["replies_to_closed_connections"] == 1
+    got = []
+    while b.poll(500):
+        got.append(b.recv_multipart())
+    ctx.destroy(0)
+    assert not any(b"SECRET-OF-A" in f for m in got for f in m), got
+    assert not any(wire.decode(m[0]).type == T.REPLY for m in got), got
 
 
 async def test_daemon_restart_ends_every_pending_request_explicitly():

@@ -75,12 +75,13 @@ class Query:
     """One query from QUERY to ANSWER."""
 
     __slots__ = ("app", "stats", "ident", "qid", "peer", "frame", "prio", "tracker", "reqs", "spent",
-                 "answered", "keep_all")
+                 "answered", "keep_all", "gen")
 
     def __init__(self, app: App, stats: AppStats, ident: bytes, qid: int, peer: Peer, frame: Any,
                  prio: int, tracker: QueryTracker) -> None:
         self.app, self.stats, self.ident, self.qid, self.peer = app, stats, ident, qid, peer
         self.frame, self.prio, self.tracker = frame, prio, tracker
+        self.gen = 0  # the connection behind ``ident`` when it came (Server.ident_gen)
         self.reqs: dict[int, StageReq] = {}  # node -> its live request
         # (model, GPU µs, already invalid for the model: its result was past its own deadline)
         self.spent: list[tuple[str, float, bool]] = []
@@ -256,6 +257,7 @@ class Queries:
                               f"flight, admission window {st.limit}", s.name)
         tr = QueryTracker(app, self.mode, float(t - delay), float(t - delay + slo), keep_all=bool(stages))
         q = Query(app, ast, ident, qid, peer, frame, prio, tr)
+        q.gen = srv.ident_gen.get(ident, 0)
         self.live[(ident, qid)] = q
         ast.accepted += 1
         ast.in_flight += 1
@@ -432,7 +434,8 @@ class Queries:
             outs = tr.outputs()
             entries = [wire.output_entry(s, k, final, o[1]) for s, k, final, o in outs]
             frames = [o[0] for _s, _k, _f, o in outs]
-            send_parts(srv.client, [q.ident, wire.answer(q.qid, Status.OK, "", "", "", entries), *frames])
+            if srv.connection_holds(q.ident, q.gen, 1):
+                send_parts(srv.client, [q.ident, wire.answer(q.qid, Status.OK, "", "", "", entries), *frames])
             ast.ok += 1
             if t > tr.deadline_us:
                 ast.ok_late += 1
@@ -440,7 +443,8 @@ class Queries:
         else:
             stage, reason, detail = tr.failed
             status = Status.REJECTED if reason == wire.BAD_INPUT else Status.DROPPED
-            send_parts(srv.client, [q.ident, wire.answer(q.qid, status, reason, stage, detail)])
+            if srv.connection_holds(q.ident, q.gen, 1):
+                send_parts(srv.client, [q.ident, wire.answer(q.qid, status, reason, stage, detail)])
             ast.dropped.setdefault(stage or "-", defaultdict(int))[reason] += 1
             self._invalidate(q)
             self._withdraw(q)

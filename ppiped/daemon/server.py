@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from .. import logs, wire
 from ..core.scheduler import DROP_REASONS, Scheduler
@@ -106,12 +107,13 @@ class Req:
     """A request from SUBMIT until its reply. ``arrival`` is when the scheduler received it (a
     retry keeps it); one is made per request, so the constructor is kept to plain stores."""
 
-    __slots__ = ("ident", "cid", "frame", "model", "arrival", "deadline", "retried", "prio", "share")
+    __slots__ = ("ident", "cid", "frame", "model", "arrival", "deadline", "retried", "prio", "share", "gen")
     query = None  # a stage request of a query (apps.StageReq) has one
 
     def __init__(self, ident: bytes, cid: int, frame: Any, model: int, arrival: int, deadline: int,
-                 prio: int, share: Share) -> None:
+                 prio: int, share: Share, gen: int = 0) -> None:
         self.ident = ident
+        self.gen = gen  # the connection behind ``ident`` when it came (Server.ident_gen)
         self.cid = cid
         self.frame = frame
         self.model = model
@@ -302,6 +304,14 @@ class Server:
         self.execs: dict[bytes, ExecState] = {}
         self.reqs: dict[int, Req] = {}  # queued in the core
         self.peers: dict[bytes, Peer] = {}  # client connections by ROUTER identity
+        # CURVE: a client chooses its ROUTER identity, so another client (another key) may take
+        # it once the first disconnects. Each identity's connection has a generation, bumped
+        # when its connection closes or another one speaks under it; a request keeps the one it
+        # came on, and its reply is sent only while that one holds (``_current``).
+        self.ident_gen: dict[bytes, int] = {}
+        self.ident_fd: dict[bytes, int] = {}
+        self.fd_ident: dict[int, bytes] = {}
+        self.client_events: zmq.Socket | None = None
         self.key_shares: dict[bytes, dict[str, Share]] = {}  # CURVE: shares by client key
         self.prune_at = 0  # when idle clients are next forgotten
         self.force_prune_at = 0  # past MAX_CLIENTS: the soonest they may be forgotten again
@@ -469,10 +479,14 @@ class Server:
         # reaches a TCP ctl endpoint may send one) gets at most CTL_DUTY of the loop
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl, budget_us=CTL_SLICE_US,
                                  pace_after_us=CTL_SLICE_US, duty=CTL_DUTY)
+        self.readers = [self.client_reader, self.exe_reader, self.ctl_reader]
+        if cfg.security.curve:  # client identities are chosen by clients: watch who goes (see ident_gen)
+            self.client_events = self.client.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self.readers.append(Reader(self.loop, self.client_events, self.on_client_event))
         try:
             await self._start_ops()
         except ConfigError:
-            for r in (self.client_reader, self.exe_reader, self.ctl_reader):
+            for r in self.readers:
                 r.close()  # before their sockets go: a watched FD closed under the loop aborts it
             self.timers.close()
             self.queries.close()
@@ -580,7 +594,7 @@ class Server:
         for srv in (self.ctl_server, self.metrics_server):
             if srv is not None:
                 await srv.close()
-        for r in (self.client_reader, self.exe_reader, self.ctl_reader):
+        for r in self.readers:
             r.close()
         self.timers.close()
         self._close_zmq()
@@ -611,6 +625,8 @@ class Server:
         if len(msg) < 2:
             self.counters["malformed"] += 1
             return
+        if self.client_events is not None:
+            self._track_connection(ident, msg[1])
         try:
             h = wire.decode(msg[1])
         except wire.ProtocolError as e:
@@ -763,6 +779,7 @@ class Server:
             self._shed(ident, ids, st, t, cause, why)
             return
         deadline = t - delay + slo
+        gen = self.ident_gen.get(ident, 0)
         limit = self.cfg.max_payload_bytes
         want = self.input_bytes[m]
         reqs = self.reqs
@@ -780,7 +797,7 @@ class Server:
                 bad.setdefault(wire.OVERLOADED, []).append(cid)
                 continue
             room -= 1
-            reqs[rid] = Req(ident, cid, f, m, t, deadline, prio, sh)
+            reqs[rid] = Req(ident, cid, f, m, t, deadline, prio, sh, gen)
             rid += 1
         k = rid - rid0
         if k:  # the accepted ones have consecutive ids: one compiled call queues them all
@@ -813,6 +830,44 @@ class Server:
         p = self.peers[ident] = Peer(key, shares, t)
         return p
 
+    def _track_connection(self, ident: bytes, frame: Any) -> None:
+        """CURVE: note the connection (its socket FD) ``ident`` speaks on; another one than
+        before means another client took the identity, and replies due to the first are void."""
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except (AttributeError, zmq.ZMQError):
+            return
+        old = self.ident_fd.get(ident)
+        if old == fd:
+            return
+        if old is not None:
+            self.ident_gen[ident] = self.ident_gen.get(ident, 0) + 1
+            if self.fd_ident.get(old) == ident:
+                del self.fd_ident[old]
+        self.ident_fd[ident] = fd
+        self.fd_ident[fd] = ident
+
+    def on_client_event(self, msg: list) -> None:
+        """CURVE: a client connection closed; what its identity was owed is void from now on."""
+        try:
+            ev = parse_monitor_message([bytes(f) for f in msg])
+        except Exception:  # noqa: BLE001 - a monitor message we cannot read changes nothing
+            return
+        if ev.get("event") != zmq.EVENT_DISCONNECTED:
+            return
+        ident = self.fd_ident.pop(ev.get("value"), None)
+        if ident is not None and self.ident_fd.get(ident) == ev.get("value"):
+            del self.ident_fd[ident]
+            self.ident_gen[ident] = self.ident_gen.get(ident, 0) + 1
+
+    def connection_holds(self, ident: bytes, gen: int, n: int) -> bool:
+        """Whether a reply to ``n`` requests that came on generation ``gen`` of ``ident`` may go:
+        not when that connection closed or another client took its identity since."""
+        if gen == self.ident_gen.get(ident, 0):
+            return True
+        self.counters["replies_to_closed_connections"] += n
+        return False
+
     def forget_clients(self, t: int, forced: bool = False) -> None:
         """Forget client connections with nothing in flight and silent for ``CLIENT_IDLE_US``
         (``forced``: any with nothing in flight), so per-client state stays bounded."""
@@ -821,6 +876,7 @@ class Server:
         for ident, p in list(peers.items()):
             if p.seen <= idle and not any(sh.n for sh in p.shares.values()):
                 del peers[ident]
+                self.ident_gen.pop(ident, None)  # nothing of it in flight: no reply to void
         if self.key_shares:
             used = {p.key for p in peers.values()}
             for key, shares in list(self.key_shares.items()):
@@ -901,15 +957,16 @@ class Server:
 
     def _drop_reqs(self, reqs: list[Req], reason: str) -> None:
         """Reply DROPPED to each request, one message per client."""
-        by: dict[bytes, list[int]] = defaultdict(list)
+        by: dict[tuple[bytes, int], list[int]] = defaultdict(list)
         for r in reqs:
             if r.query is not None:
                 self.queries.stage_dropped(r, self.stats[r.model].dropped, reason)
                 continue
-            by[r.ident].append(r.cid)
+            by[(r.ident, r.gen)].append(r.cid)
             self._end_unserved(r, self.stats[r.model].dropped, reason)
-        for ident, cids in by.items():
-            send_parts(self.client, [ident, wire.reply(cids, Status.DROPPED, reason)])
+        for (ident, gen), cids in by.items():
+            if self.connection_holds(ident, gen, len(cids)):
+                send_parts(self.client, [ident, wire.reply(cids, Status.DROPPED, reason)])
 
     def _end_unserved(self, r: Req, outcomes: dict[str, int], reason: str) -> None:
         """Count accepted request ``r`` answered without a result (``outcomes``: the model's
@@ -953,7 +1010,7 @@ class Server:
             v = self._views(act)
             ids = v["drop_id"][:act.n_drop].tolist()
             why = v["drop_reason"][:act.n_drop].tolist()
-            by: dict[tuple[bytes, str], list[int]] = defaultdict(list)
+            by: dict[tuple[bytes, int, str], list[int]] = defaultdict(list)
             for rid, w in zip(ids, why):  # noqa: B905
                 r = self.reqs.pop(rid, None)
                 if r is None:
@@ -963,9 +1020,10 @@ class Server:
                     self.queries.stage_dropped(r, self.stats[r.model].dropped, reason)
                     continue
                 self._end_unserved(r, self.stats[r.model].dropped, reason)
-                by[(r.ident, reason)].append(r.cid)
-            for (ident, reason), cids in by.items():
-                send_parts(self.client, [ident, wire.reply(cids, Status.DROPPED, reason)])
+                by[(r.ident, r.gen, reason)].append(r.cid)
+            for (ident, gen, reason), cids in by.items():
+                if self.connection_holds(ident, gen, len(cids)):
+                    send_parts(self.client, [ident, wire.reply(cids, Status.DROPPED, reason)])
         wake = act.wake_at
         if wake < math.inf:
             w = int(wake)
@@ -1367,13 +1425,14 @@ class Server:
                 if r.query is not None:
                     staged.append((r, f, t > r.deadline))
                     continue
-                e = by.get(r.ident)
+                e = by.get((r.ident, r.gen))
                 if e is None:
-                    e = by[r.ident] = ([], [])
+                    e = by[(r.ident, r.gen)] = ([], [])
                 e[0].append(r.cid)
                 e[1].append(f)
-            for ident, (cids, fs) in by.items():
-                send_parts(self.client, [ident, wire.reply(cids, Status.OK, "", meta), *fs])
+            for (ident, gen), (cids, fs) in by.items():
+                if self.connection_holds(ident, gen, len(cids)):
+                    send_parts(self.client, [ident, wire.reply(cids, Status.OK, "", meta), *fs])
                 st.ok += len(cids)
                 st.answered += len(cids)
                 st.gpu_us += per * len(cids)
@@ -1400,7 +1459,8 @@ class Server:
                                                reason, text)
                     continue
                 self._end_unserved(r, st.rejected if status == Status.REJECTED else st.dropped, reason)
-                send_parts(self.client, [r.ident, wire.reply([r.cid], status, reason, text)])
+                if self.connection_holds(r.ident, r.gen, 1):
+                    send_parts(self.client, [r.ident, wire.reply([r.cid], status, reason, text)])
         if not b.reqs:
             b.answered = True
             b.done_at = t
