@@ -86,6 +86,7 @@ DAEMON_RESTARTED = "daemon-restarted"  # client side: the scheduler restarted an
 DAEMON_UNREACHABLE = "daemon-unreachable"  # client side: the scheduler stopped answering pings
 UNAUTHORIZED = "unauthorized"  # a peer message without the credentials its kind needs
 VGPU_TAKEN = "vgpu-taken"  # another live executor serves that vGPU: retry (it may be about to die)
+QUARANTINED = "quarantined"  # its batches kept going overdue: the scheduler takes it back later; retry
 # Reasons only a query (QUERY/ANSWER) ends with; the others above apply to its stages too.
 UNKNOWN_APP = "unknown-app"
 GLUE_ERROR = "glue-error"  # a glue callable raised, returned something unusable, or its worker died

@@ -483,3 +483,15 @@ def test_frames_past_the_tensor_cap_are_neither_received_nor_sent(sched, tmp_pat
     assert (ident, h.batch, h.ids, frames) == (idents[1], 8, [3], [b"fits"])
     pusher.close(0)
     assert all(p.poll() is None for p in procs)
+
+
+@pytest.mark.parametrize("code", [wire.VGPU_TAKEN, wire.QUARANTINED])
+def test_a_refused_registration_is_retried_not_fatal(sched, tmp_path, code):
+    """``vgpu-taken`` and ``quarantined`` say "not now": the executor keeps running and
+    registers again (any other refusal stops it with exit status 2)."""
+    cfg = write_config(tmp_path)
+    p = sched.spawn(cfg, "0")
+    ident, _, _ = sched.recv(T.REGISTER)
+    sched.send(ident, wire.error(code, "not now"))
+    again, h, _ = sched.recv(T.REGISTER, timeout_s=5)
+    assert again == ident and h.vgpus == [0] and p.poll() is None

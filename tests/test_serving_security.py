@@ -93,6 +93,49 @@ def test_forged_results_never_reach_a_client(cluster, tmp_path):
         imp.close()
 
 
+def test_an_executor_that_heartbeats_but_never_runs_is_quarantined(tmp_path):
+    """A process registers the vGPU no executor serves, answers WELCOME with heartbeats and
+    runs nothing: batches through it go overdue. After a few it is removed and its REGISTER is
+    refused for a while (``quarantined``), so the scheduler stops routing batches into it;
+    every request is still answered, and the rest of the plan serves on."""
+    with short_tmpdir("ppiped-q-") as d, tiny_cluster(Path(d), ((0, 2), (1,))) as c:
+        cfg = load_config(c.config)
+        imp = Impostor(cfg.executor)
+        stop = threading.Event()
+        try:
+            h = imp.register([3], f"ipc://{d}/impostor.sock")
+            assert h.type == T.WELCOME
+
+            def beat():
+                while not stop.is_set():
+                    imp.sock.send(wire.heartbeat(time.monotonic_ns() // 1000, 0))
+                    time.sleep(0.02)
+
+            t = threading.Thread(target=beat, daemon=True)
+            t.start()
+            answered = 0
+            deadline = time.monotonic() + 30
+            with Client(c.client_endpoint, timeout_s=20) as cl:
+                while not c.status()["counters"].get("executors_quarantined") and time.monotonic() < deadline:
+                    out = cl.submit_many("tiny", [b"x%d" % i for i in range(8)], slo_ms=300)
+                    assert all(isinstance(r, (Dropped, Rejected)) or r.data.startswith(b"x") for r in out)
+                    answered += len(out)
+                assert c.status()["counters"]["executors_quarantined"] == 1
+                stop.set()
+                t.join(5)
+                imp.sock.send(wire.register([3], f"ipc://{d}/impostor.sock", "emulate", os.getpid(), 0, 2))
+                while True:  # (heartbeats sent before the removal may still be answered first)
+                    h = imp.next()
+                    if h.type == T.ERROR and h.code == wire.QUARANTINED:
+                        break
+                out = cl.submit_many("tiny", [b"after%d" % i for i in range(20)], slo_ms=2000)
+                assert [r.data for r in out] == [b"after%d" % i for i in range(20)]
+            assert answered > 0
+        finally:
+            stop.set()
+            imp.close()
+
+
 def test_forged_feedback_cannot_stall_the_schedule(cluster, tmp_path):
     """Hop times for batches of vGPUs the sender does not serve, with ends days ahead (they once
     pushed every later reservation back and stopped serving for good): refused and counted, and

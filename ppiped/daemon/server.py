@@ -80,6 +80,11 @@ OFFSET_SAMPLES = 16
 MAX_VGPU_ID = 1 << 16  # registrations beyond the plan's vGPUs wait on standby, up to this id
 MAX_VGPUS_PER_EXEC = 4096  # vGPUs one executor process may register
 DONE_BATCH_KEEP_US = 2_000_000  # keep answered batches this long for late feedback
+# An executor whose hop this many batches in a row went overdue at is removed and refused for
+# QUARANTINE_US, doubling at each repeat up to QUARANTINE_MAX_US.
+OVERDUE_STRIKES = 3
+QUARANTINE_US = 5_000_000
+QUARANTINE_MAX_US = 300_000_000
 REPORT_MANY_FROM = 8  # feedback reports: one compiled call each below this many, else one for all
 WARN_EVERY_US = 1_000_000  # repeated warnings of one kind: at most one log line a second
 FEEDBACK_AHEAD_US = 1_000_000  # a reported end this far past the scheduler's clock is not believed
@@ -190,7 +195,7 @@ class Batch:
 
 class ExecState:
     __slots__ = ("ident", "vgpus", "endpoint", "backend", "pid", "incarnation", "last_seen", "offsets",
-                 "offset", "ready", "rewelcome", "key")
+                 "offset", "ready", "rewelcome", "key", "overdue")
 
     def __init__(self, ident: bytes, vgpus: list[int], endpoint: str, backend: str, pid: int,
                  incarnation: int) -> None:
@@ -202,6 +207,7 @@ class ExecState:
         self.ready = False
         self.rewelcome = False  # told to re-register for a new plan: its heartbeats do not count yet
         self.key = os.urandom(16)  # of its hop tags (wire.hop_tag): told to it alone, in WELCOME
+        self.overdue = 0  # batches lost overdue at its hop since it last reported one
 
     def clock_sample(self, exec_clock: int, t: int) -> None:
         self.offsets.append(exec_clock - t)
@@ -304,6 +310,7 @@ class Server:
         self.execs: dict[bytes, ExecState] = {}
         self.reqs: dict[int, Req] = {}  # queued in the core
         self.peers: dict[bytes, Peer] = {}  # client connections by ROUTER identity
+        self.quarantined: dict[bytes, tuple[int, int]] = {}  # executor identity -> (until µs, times)
         # CURVE: a client chooses its ROUTER identity, so another client (another key) may take
         # it once the first disconnects. Each identity's connection has a generation, bumped
         # when its connection closes or another one speaks under it; a request keeps the one it
@@ -1232,6 +1239,12 @@ class Server:
     def on_register(self, ident: bytes, h: wire.Register, key: bytes | None = None) -> None:
         vgpus, endpoint, backend, pid, clock, incarnation = (h.vgpus, h.data_endpoint, h.backend, h.pid,
                                                              h.clock_us, h.incarnation)
+        held = self.quarantined.get(ident)
+        if held is not None and now_us() < held[0]:
+            self.counters["register_refused"] += 1
+            self._send_exec(ident, wire.error(wire.QUARANTINED, f"its batches went overdue; taken back in "
+                                              f"{(held[0] - now_us()) / 1e6:.0f} s"))
+            return
         sec = self.cfg.security
         if sec.curve:
             mine = sec.executors.get(key or b"", frozenset())
@@ -1334,6 +1347,27 @@ class Server:
         self._dirty_decide = True
         log.info("executor-ready", vgpus=format_ranges(ex.vgpus), pid=ex.pid,
                  alive=self.alive_vgpus())
+
+    def _blame_overdue(self, b: Batch, t: int) -> None:
+        """The executor of the first hop that never reported an overdue batch is charged with it;
+        one charged ``OVERDUE_STRIKES`` times in a row (heartbeating, yet running nothing: a hung
+        backend, an impostor) is removed and refused for a while, doubling each time, so the
+        scheduler stops routing batches into it (it lost them all before)."""
+        hop = next((j for j, x in enumerate(b.times) if x is None), None)
+        v = b.path[hop] if hop is not None else -1
+        ex = self.vgpu_exec[v] if 0 <= v < self.nv else None
+        if ex is None or self.execs.get(ex.ident) is not ex:
+            return
+        ex.overdue += 1
+        if ex.overdue < OVERDUE_STRIKES:
+            return
+        _, strikes = self.quarantined.get(ex.ident, (0, 0))
+        hold = min(QUARANTINE_MAX_US, QUARANTINE_US << min(strikes, 16))
+        self.quarantined[ex.ident] = (t + hold, strikes + 1)
+        self.counters["executors_quarantined"] += 1
+        log.warning("executor-quarantined", vgpus=format_ranges(ex.vgpus), pid=ex.pid,
+                    batches_overdue=ex.overdue, hold_s=hold / 1e6)
+        self.remove_executor(ex, f"{ex.overdue} batches overdue in a row")
 
     def remove_executor(self, ex: ExecState, why: str) -> None:
         if self.execs.get(ex.ident) is not ex:
@@ -1529,6 +1563,7 @@ class Server:
                                   vgpus=format_ranges(ex.vgpus))
                 continue
             b.times[hop] = (ready, start, end)
+            ex.overdue = 0
             hs.append(b.infer_h[hop])
             ts.append(start)
             te.append(end)
@@ -1593,9 +1628,13 @@ class Server:
                 if t > b.finish + max(grace, b.span):
                     log.warning("batch-overdue", batch=b.id, path=b.path, late_ms=round((t - b.finish) / 1000, 1))
                     self.lose_batch(b, "overdue")
+                    self._blame_overdue(b, t)
             elif t - b.done_at > DONE_BATCH_KEEP_US:
                 self.batches.pop(b.id, None)
         self.core.gc(float(t - 1000))
+        for ident, (until, _) in list(self.quarantined.items()):  # strikes are forgiven in time
+            if t > until + QUARANTINE_MAX_US:
+                del self.quarantined[ident]
         if t >= self.prune_at:
             self.prune_at = t + CLIENT_PRUNE_US
             self.forget_clients(t)

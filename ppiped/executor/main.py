@@ -438,8 +438,8 @@ class Executor:
                     w.heap.clear()
             self.registered = False
             self.register()
-        elif code == wire.VGPU_TAKEN:
-            log.warning("vgpu-taken", error=message)  # the register retry timer tries again
+        elif code in (wire.VGPU_TAKEN, wire.QUARANTINED):
+            log.warning(code, error=message)  # the register retry timer tries again
         else:
             log.error("scheduler-refused", code=code, error=message)
             self.stop(2)
