@@ -310,6 +310,23 @@ def test_single_model_reference_file_without_weights_checks(syn_dirs, capsys):
     assert not out["ok"] and any("[gpu-budget]" in v for v in out["violations"])
 
 
+def test_sim_and_sweep_take_a_reference_files_cluster(syn_dirs, capsys):
+    """sim and sweep read a reference file's cluster from its name, or from --cluster."""
+    tmp, prof = syn_dirs
+    plan = _syn_plan({"alpha": [A_FIRST_0_2, A_FIRST_0_3]}, _syn_cluster(a=3))
+    f = tmp / "alpha_A-B_3-8_bw-gbps-10_sla-multiplier-5_v4.json"
+    f.write_text(json.dumps(_reference_json(plan)))
+    sim = ["sim", "--plan", str(f), "--profiles", str(prof), "--load-factor", "0.5", "--duration", "0.5", "--json"]
+    assert cli(sim) == 0
+    named = json.loads(capsys.readouterr().out)
+    assert cli([*sim, "--cluster", str(tmp / "a3.toml")]) == 0
+    assert json.loads(capsys.readouterr().out)["models"] == named["models"]
+    assert cli(["sweep", "--plan", str(f), "--profiles", str(prof), "--duration", "0.3", "--cluster",
+                str(tmp / "a3.toml"), "--max-factor", "1.2", "--step", "0.3", "--resolution", "0.1"]) == 0
+    assert cli([*sim, "--cluster", str(tmp / "missing.toml")]) == 2
+    assert "missing.toml" in capsys.readouterr().err
+
+
 def test_multi_model_reference_file_without_weights_is_refused(syn_dirs, capsys):
     tmp, prof = syn_dirs
     plan = _syn_plan({"alpha": [A_FIRST_0_2], "beta": [A_FIRST_0_3]}, _syn_cluster(a=4))

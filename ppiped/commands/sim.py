@@ -29,6 +29,7 @@ from .argtypes import (
 def add_world_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``sim`` and ``sweep``: the trace and the simulated executors."""
     p.add_argument("--profiles", required=True, help="directory of ppiped-profile/1 files")
+    p.add_argument("--cluster", help="cluster spec TOML for a PPipe reference plan (default: from its file name)")
     p.add_argument("--trace", default="poisson", type=trace_kind,
                    help="poisson, bursty, or an Azure Functions 2021 trace file (default poisson)")
     p.add_argument("--cv", type=CV, default=2.0, help="bursty: coefficient of variation of the gaps (default 2)")
@@ -88,6 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..cluster import load_cluster
     from ..plan import load_plan
     from ..profiles import load_profiles
     from ..sim.run import base_rates, simulate, v4_sibling, weight_rates
@@ -96,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot_window and not args.plot_window[0] < args.plot_window[1]:
         raise InputError(f"--plot-window: FROM_MS ({args.plot_window[0]:g}) must be below TO_MS "
                          f"({args.plot_window[1]:g})")
-    plan = load_plan(args.plan)
+    cluster = load_cluster(args.cluster) if args.cluster else None
+    plan = load_plan(args.plan, cluster)
     profiles = load_profiles(args.profiles, [m.model for m in plan.models])
     names = [m.model for m in plan.models]
     if plan.apps:
@@ -106,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         how = f"--rate {args.rate:g} for --duration {args.duration:g} s"
     else:
         base = Path(args.base_plan) if args.base_plan else v4_sibling(args.plan)
-        bplan = load_plan(base) if base.is_file() else plan
+        bplan = load_plan(base, cluster) if base.is_file() else plan
         rates = args.load_factor * base_rates(bplan, names)
         how = (f"--load-factor {args.load_factor:g} ({float(np.sum(rates)):.6g} req/s) for "
                f"--duration {args.duration:g} s")

@@ -42,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..cluster import load_cluster
     from ..plan import load_plan
     from ..sim.run import PointSpec, base_rates, v4_sibling
     from ..sim.sweep import sweep
@@ -61,11 +62,12 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.profiles).is_dir():
         raise InputError(f"--profiles {args.profiles}: not a directory")
     plans = []
+    cluster = load_cluster(args.cluster) if args.cluster else None
     for path in args.plan:  # every plan read and sized before the first (long) sweep
-        plan = load_plan(path)
+        plan = load_plan(path, cluster)
         names = [m.model for m in plan.models]
         base = Path(args.base_plan) if args.base_plan else v4_sibling(path)
-        rates = base_rates(load_plan(base) if base.is_file() else plan, names)
+        rates = base_rates(load_plan(base, cluster) if base.is_file() else plan, names)
         top = args.max_factor * float(rates.sum())
         check_request_count(top * args.duration, f"{path}: --max-factor {args.max_factor:g} ({top:.6g} req/s) "
                             f"for --duration {args.duration:g} s")
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             spec = PointSpec(str(path), str(args.profiles), args.trace, args.duration, args.seed, args.policy,
                              opt.sigma, args.cv, opt.start_early_us, args.base_plan,
                              None if args.plot else args.target, trace_scale=args.trace_scale,
-                             high_share=args.high_share)
+                             high_share=args.high_share, cluster=args.cluster)
             sr = sweep(spec, args.target, args.step, args.resolution, args.max_factor, pool, args.jobs,
                        args.start)
             lf = sr.max_load_factor

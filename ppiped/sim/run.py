@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cluster import load_cluster
 from ..core.layout import Layout
 from ..core.scheduler import Policy, Scheduler
 from ..plan import Plan, load_plan
@@ -333,19 +334,21 @@ def run_load_factor(plan_path: str | Path, profiles: dict[str, Profile], load_fa
                     kind: str = "poisson", duration_s: float = 30.0, seed: int = 0,
                     policy: str = "ppipe", jitter: float = DEFAULT_SIGMA, cv: float = 2.0,
                     base_plan: str | Path | None = None, options: SimOptions | None = None,
-                    cache: dict | None = None, trace_scale: str = "stretch", high_share: float = 0.0
-                    ) -> SimResult:
+                    cache: dict | None = None, trace_scale: str = "stretch", high_share: float = 0.0,
+                    cluster: str | Path | None = None) -> SimResult:
     """Simulate a plan file at ``load_factor`` x the base plan's per-model throughput.
 
     ``base_plan`` defaults to the ``_v4`` sibling of a reference plan (else the plan itself).
-    ``cache`` (a dict) keeps loaded plans and layouts across calls of one process.
+    ``cache`` (a dict) keeps loaded plans and layouts across calls of one process. ``cluster``:
+    a cluster spec file for reference plans (default: read from their file names).
     """
     cache = cache if cache is not None else {}
-    key = str(plan_path)
+    key = f"{plan_path}\0{cluster or ''}"
     if key not in cache:
-        plan = load_plan(plan_path)
+        cl = load_cluster(cluster) if cluster else None
+        plan = load_plan(plan_path, cl)
         base = base_plan or v4_sibling(plan_path)
-        bplan = load_plan(base) if Path(base).is_file() and str(base) != key else plan
+        bplan = load_plan(base, cl) if Path(base).is_file() and str(base) != str(plan_path) else plan
         rates = base_rates(bplan, [m.model for m in plan.models])
         cache[key] = (plan, rates, Layout.from_plan(plan, profiles))
     plan, rates, lay = cache[key]
@@ -393,6 +396,7 @@ class PointSpec:
     nic_fifo: bool = True
     trace_scale: str = "stretch"  # trace files: stretch or fold (see workload.azure_functions)
     high_share: float = 0.0  # share of requests in the high priority class
+    cluster: str | None = None  # cluster spec for reference plans (default: from their names)
 
     def result(self, load_factor: float, stop: bool = True, timeline_us: tuple[float, float] | None = None
                ) -> SimResult:
@@ -401,7 +405,7 @@ class PointSpec:
                          nic_fifo=self.nic_fifo)
         return run_load_factor(self.plan, _profiles(self.profiles), load_factor, self.trace, self.duration_s,
                                self.seed, self.policy, self.sigma, self.cv, self.base_plan, opt, _PLANS,
-                               self.trace_scale, self.high_share)
+                               self.trace_scale, self.high_share, self.cluster)
 
     def __call__(self, load_factor: float) -> float:
         return self.result(load_factor).min_attainment
