@@ -180,6 +180,12 @@ def test_the_dp_finds_the_cheapest_split_that_fits_every_path():
 # --- what no plan can serve -----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fanout", [0.0, -1.0, float("nan"), float("inf"), 1e300])
+def test_a_fanout_out_of_range_names_the_stage(fanout):
+    with pytest.raises(InputError, match=r"stage 'second'.*fanout.*in \(0, 10000\]"):
+        two_stage(fanout=fanout)
+
+
 def test_an_app_naming_an_unknown_model():
     with pytest.raises(InputError, match=r"app 'q', stage 'second': no profile for model 'nope'"):
         split_apps(PROFILES, [two_stage(second="nope")], cluster(), PARAMS)

@@ -34,6 +34,10 @@ _GLUE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[A-Za-z0-9_][\w.\-]*$")
 
 
+# Most inputs one parent request may yield on average (a detector's crops: thousands at most).
+MAX_FANOUT = 10_000.0
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -138,9 +142,9 @@ class App:
             else:
                 if not 0 <= s.parent < i:
                     raise InputError(f"{ws}: its parent must be a stage listed before it")
-                if not (s.fanout > 0 and math.isfinite(s.fanout)):
+                if not 0 < s.fanout <= MAX_FANOUT:
                     raise InputError(f"{ws}: fanout is the mean number of inputs a parent request "
-                                     f"yields, > 0; got {s.fanout}")
+                                     f"yields, in (0, {MAX_FANOUT:g}]; got {s.fanout}")
                 if not _GLUE.match(s.glue):
                     raise InputError(f"{ws}: glue must name a callable as 'module:function', "
                                      f"got {s.glue!r}")
