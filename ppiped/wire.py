@@ -518,24 +518,25 @@ def forward(batch: int, path: Sequence[int], starts: Sequence[int], hop: int, id
     return _pack([VERSION, _t.FORWARD, batch, path, starts, hop, ids, meta, list(tags)])
 
 
-_TAG_INPUT = struct.Struct("<QQQ")
+_TAG_INPUT = struct.Struct("<QQQq")
 TAG_BYTES = 16
 
 
-def hop_tag(key: bytes, batch: int, hop: int, vgpu: int) -> bytes:
-    """The capability for hop ``hop`` (on vGPU ``vgpu``) of ``batch``: a keyed BLAKE2b under the
-    key the scheduler gave that hop's executor (WELCOME.data_key). The scheduler, which holds
-    every executor's key, puts one per hop in the DISPATCH; each hop passes them on, and an
-    executor runs a FORWARD only when it carries its own tag for that batch and hop. So only the
-    batch's earlier hops can feed a hop: another executor of the plan, which holds a key but
-    never saw the batch, cannot forge work or results for it."""
-    return hashlib.blake2b(_TAG_INPUT.pack(batch, hop, vgpu), key=key,
+def hop_tag(key: bytes, batch: int, hop: int, vgpu: int, start: int) -> bytes:
+    """The capability for hop ``hop`` (on vGPU ``vgpu``, reserved to start at ``start`` on its
+    executor's clock) of ``batch``: a keyed BLAKE2b under the key the scheduler gave that hop's
+    executor (WELCOME.data_key). The scheduler, which holds every executor's key, puts one per
+    hop in the DISPATCH; each hop passes them on, and an executor runs a FORWARD only when it
+    carries its own tag for that batch, hop and start, and only once. So only the batch's
+    earlier hops can feed a hop, once, at its reserved time: another executor of the plan,
+    which holds a key but never saw the batch, cannot forge work or results for it."""
+    return hashlib.blake2b(_TAG_INPUT.pack(batch, hop, vgpu, start), key=key,
                            digest_size=TAG_BYTES).digest()
 
 
-def path_tags(keys: Sequence[bytes], batch: int, path: Sequence[int]) -> list[bytes]:
-    """DISPATCH.tags for ``path``, where ``keys[j]`` is the key of hop j's executor."""
-    return [hop_tag(keys[j], batch, j, path[j]) for j in range(1, len(path))]
+def path_tags(keys: Sequence[bytes], batch: int, path: Sequence[int], starts: Sequence[int]) -> list[bytes]:
+    """DISPATCH.tags for ``path`` and its ``starts``, where ``keys[j]`` is the key of hop j's executor."""
+    return [hop_tag(keys[j], batch, j, path[j], starts[j]) for j in range(1, len(path))]
 
 
 def result(batch: int, ids: Sequence[int], meta: Any, failed: Sequence = (), feedback: Sequence[int] = ()

@@ -170,7 +170,7 @@ def test_without_calibration_the_profile_says_random(tiny, tmp_path):
 def test_a_failing_check_warns_naming_the_output(tiny, tmp_path, monkeypatch, capsys):
     import ppiped.profiler.export as export
 
-    monkeypatch.setattr(export, "chain_errors", lambda whole, blocks, batches, varies: ({"logits": 0.25}, 2))
+    monkeypatch.setattr(export, "chain_errors", lambda whole, blocks, batches, varies, overflow: ({"logits": 0.25}, 2))
     eq = _profile(tiny, tmp_path / "p")
     assert eq["passed"] is False and eq["max_rel_error"] == 0.25
     err = capsys.readouterr().err

@@ -94,16 +94,17 @@ def test_forged_results_never_reach_a_client(cluster, tmp_path):
 
 
 def test_an_executor_that_heartbeats_but_never_runs_is_quarantined(tmp_path):
-    """A process registers the vGPU no executor serves, answers WELCOME with heartbeats and
-    runs nothing: batches through it go overdue. After a few it is removed and its REGISTER is
-    refused for a while (``quarantined``), so the scheduler stops routing batches into it;
-    every request is still answered, and the rest of the plan serves on."""
-    with short_tmpdir("ppiped-q-") as d, tiny_cluster(Path(d), ((0, 2), (1,))) as c:
+    """A process registers the first-pool vGPU no executor serves, answers WELCOME with
+    heartbeats and runs nothing: the batches dispatched to it go overdue with no hop reported.
+    After a few, over more than the heartbeat timeout, it is removed and its REGISTER refused for
+    a while (``quarantined``), so the scheduler stops routing batches into it; every request is
+    still answered, the healthy executor is never charged, and the rest of the plan serves on."""
+    with short_tmpdir("ppiped-q-") as d, tiny_cluster(Path(d), ((1, 2, 3),)) as c:
         cfg = load_config(c.config)
         imp = Impostor(cfg.executor)
         stop = threading.Event()
         try:
-            h = imp.register([3], f"ipc://{d}/impostor.sock")
+            h = imp.register([0], f"ipc://{d}/impostor.sock")
             assert h.type == T.WELCOME
 
             def beat():
@@ -123,13 +124,20 @@ def test_an_executor_that_heartbeats_but_never_runs_is_quarantined(tmp_path):
                 assert c.status()["counters"]["executors_quarantined"] == 1
                 stop.set()
                 t.join(5)
-                imp.sock.send(wire.register([3], f"ipc://{d}/impostor.sock", "emulate", os.getpid(), 0, 2))
+                imp.sock.send(wire.register([0], f"ipc://{d}/impostor.sock", "emulate", os.getpid(), 0, 2))
                 while True:  # (heartbeats sent before the removal may still be answered first)
                     h = imp.next()
                     if h.type == T.ERROR and h.code == wire.QUARANTINED:
                         break
+                other = Impostor(cfg.executor)  # a new connection for the same vGPU: the same answer
+                try:
+                    h = other.register([0], f"ipc://{d}/impostor2.sock")
+                    assert h.type == T.ERROR and h.code == wire.QUARANTINED, h
+                finally:
+                    other.close()
                 out = cl.submit_many("tiny", [b"after%d" % i for i in range(20)], slo_ms=2000)
                 assert [r.data for r in out] == [b"after%d" % i for i in range(20)]
+                assert c.status()["counters"]["executors_quarantined"] == 1  # only the impostor
             assert answered > 0
         finally:
             stop.set()

@@ -195,7 +195,7 @@ class Batch:
 
 class ExecState:
     __slots__ = ("ident", "vgpus", "endpoint", "backend", "pid", "incarnation", "last_seen", "offsets",
-                 "offset", "ready", "rewelcome", "key", "overdue")
+                 "offset", "ready", "rewelcome", "key", "overdue", "overdue_since", "queued")
 
     def __init__(self, ident: bytes, vgpus: list[int], endpoint: str, backend: str, pid: int,
                  incarnation: int) -> None:
@@ -207,7 +207,9 @@ class ExecState:
         self.ready = False
         self.rewelcome = False  # told to re-register for a new plan: its heartbeats do not count yet
         self.key = os.urandom(16)  # of its hop tags (wire.hop_tag): told to it alone, in WELCOME
-        self.overdue = 0  # batches lost overdue at its hop since it last reported one
+        self.overdue = 0  # batches charged to it (Server._blame_overdue) since one came through
+        self.overdue_since = 0  # when the first of them was charged (µs)
+        self.queued = 0  # batches it held at its last heartbeat (its own word)
 
     def clock_sample(self, exec_clock: int, t: int) -> None:
         self.offsets.append(exec_clock - t)
@@ -310,7 +312,7 @@ class Server:
         self.execs: dict[bytes, ExecState] = {}
         self.reqs: dict[int, Req] = {}  # queued in the core
         self.peers: dict[bytes, Peer] = {}  # client connections by ROUTER identity
-        self.quarantined: dict[bytes, tuple[int, int]] = {}  # executor identity -> (until µs, times)
+        self.quarantined: dict[int, tuple[int, int]] = {}  # vGPU -> (refused until µs, times held)
         # CURVE: a client chooses its ROUTER identity, so another client (another key) may take
         # it once the first disconnects. Each identity's connection has a generation, bumped
         # when its connection closes or another one speaks under it; a request keeps the one it
@@ -633,6 +635,7 @@ class Server:
             self.counters["malformed"] += 1
             return
         if self.client_events is not None:
+            self._drain_client_events()
             self._track_connection(ident, msg[1])
         try:
             h = wire.decode(msg[1])
@@ -867,9 +870,19 @@ class Server:
             del self.ident_fd[ident]
             self.ident_gen[ident] = self.ident_gen.get(ident, 0) + 1
 
+    def _drain_client_events(self) -> None:
+        """Read the disconnects libzmq has noted so far. Before a client message is handled and
+        before a reply goes: a client that took a closed connection's identity (its socket may
+        even reuse the FD) is never mistaken for the first, whichever reader the loop ran first."""
+        ev = self.client_events
+        while ev is not None and ev.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self.on_client_event(ev.recv_multipart())
+
     def connection_holds(self, ident: bytes, gen: int, n: int) -> bool:
         """Whether a reply to ``n`` requests that came on generation ``gen`` of ``ident`` may go:
         not when that connection closed or another client took its identity since."""
+        if self.client_events is not None:
+            self._drain_client_events()
         if gen == self.ident_gen.get(ident, 0):
             return True
         self.counters["replies_to_closed_connections"] += n
@@ -1115,7 +1128,7 @@ class Server:
             batch = Batch(bid, models[i], path, infer_h, link_h, dict(zip(ids, rs)), finish[i])  # noqa: B905
             batch.span = finish[i] - min(starts[res0[i]:res0[i] + nres[i]], default=finish[i])
             try:
-                tags = wire.path_tags([e.key for e in execs], bid, path) if k > 1 else ()
+                tags = wire.path_tags([e.key for e in execs], bid, path, hop_start) if k > 1 else ()
                 send_parts(exe, [execs[0].ident, wire.dispatch(bid, path, hop_start, ids, tags),
                                  *[r.frame for r in rs]])
             except zmq.ZMQError as e:  # the executor's connection is gone (mandatory routing)
@@ -1194,6 +1207,7 @@ class Server:
                     return
                 t = now_us()
                 ex.last_seen = t
+                ex.queued = h.queued
                 ex.clock_sample(h.clock_us, t)
                 if not ex.ready and not ex.rewelcome:
                     self.ready(ex)
@@ -1239,11 +1253,13 @@ class Server:
     def on_register(self, ident: bytes, h: wire.Register, key: bytes | None = None) -> None:
         vgpus, endpoint, backend, pid, clock, incarnation = (h.vgpus, h.data_endpoint, h.backend, h.pid,
                                                              h.clock_us, h.incarnation)
-        held = self.quarantined.get(ident)
-        if held is not None and now_us() < held[0]:
+        t = now_us()
+        held = max((self.quarantined.get(v, (0, 0))[0] for v in vgpus), default=0)
+        if t < held:  # (by vGPU: the same process on a new connection is the same executor)
             self.counters["register_refused"] += 1
-            self._send_exec(ident, wire.error(wire.QUARANTINED, f"its batches went overdue; taken back in "
-                                              f"{(held[0] - now_us()) / 1e6:.0f} s"))
+            self._send_exec(ident, wire.error(wire.QUARANTINED, f"batches went overdue at vGPU(s) "
+                                              f"{format_ranges(sorted(v for v in vgpus if v in self.quarantined))}; "
+                                              f"taken back in {(held - t) / 1e6:.0f} s"))
             return
         sec = self.cfg.security
         if sec.curve:
@@ -1349,21 +1365,33 @@ class Server:
                  alive=self.alive_vgpus())
 
     def _blame_overdue(self, b: Batch, t: int) -> None:
-        """The executor of the first hop that never reported an overdue batch is charged with it;
-        one charged ``OVERDUE_STRIKES`` times in a row (heartbeating, yet running nothing: a hung
-        backend, an impostor) is removed and refused for a while, doubling each time, so the
-        scheduler stops routing batches into it (it lost them all before)."""
-        hop = next((j for j, x in enumerate(b.times) if x is None), None)
-        v = b.path[hop] if hop is not None else -1
-        ex = self.vgpu_exec[v] if 0 <= v < self.nv else None
-        if ex is None or self.execs.get(ex.ident) is not ex:
+        """Charge an overdue batch to the executor that stalled it, where the evidence says which:
+        hop 0's when no hop reported (it had the DISPATCH from us), the last hop's when every
+        hop reported but no RESULT came, and the first silent hop's when its heartbeats say it
+        holds work (else the hop before may not have forwarded it, or a peer lies: nobody is
+        charged, so no healthy executor is). A batch that comes through clears every executor
+        on its path. One charged ``OVERDUE_STRIKES`` times in a row, over more than the
+        heartbeat timeout, while it kept heartbeating (running nothing: a hung backend, an
+        impostor) is removed and its vGPUs refused for a while, doubling each time, so batches
+        stop flowing into it."""
+        k = len(b.path)
+        hop = next((j for j, x in enumerate(b.times) if x is None), k)
+        v = b.path[min(hop, k - 1)]
+        ex = self.vgpu_exec[v] if v < self.nv else None
+        if ex is None or self.execs.get(ex.ident) is not ex or not (hop in (0, k) or ex.queued > 0):
             return
         ex.overdue += 1
-        if ex.overdue < OVERDUE_STRIKES:
+        if ex.overdue == 1:
+            ex.overdue_since = t
+        # a stall shorter than the heartbeat timeout (a pause, a slow first run) is not enough,
+        # nor is silence (that is the heartbeat rule's): it kept talking and ran nothing
+        if ex.overdue < OVERDUE_STRIKES or t - ex.overdue_since < self.cfg.heartbeat_timeout_ms * 1000 \
+                or t - ex.last_seen > self.cfg.heartbeat_interval_ms * 4000:
             return
-        _, strikes = self.quarantined.get(ex.ident, (0, 0))
+        strikes = max((self.quarantined.get(u, (0, 0))[1] for u in ex.vgpus), default=0)
         hold = min(QUARANTINE_MAX_US, QUARANTINE_US << min(strikes, 16))
-        self.quarantined[ex.ident] = (t + hold, strikes + 1)
+        for u in ex.vgpus:
+            self.quarantined[u] = (t + hold, strikes + 1)
         self.counters["executors_quarantined"] += 1
         log.warning("executor-quarantined", vgpus=format_ranges(ex.vgpus), pid=ex.pid,
                     batches_overdue=ex.overdue, hold_s=hold / 1e6)
@@ -1433,6 +1461,11 @@ class Server:
             self.warn_limited("foreign-result", batch=bid, pid=ex.pid, vgpus=format_ranges(ex.vgpus),
                               path=b.path)
             return
+        if ids:  # a batch came through: every executor on its path is doing its job
+            for v in b.path:
+                e = self.vgpu_exec[v] if v < self.nv else None
+                if e is not None:
+                    e.overdue = 0
         st = self.stats[b.model]
         t = now_us()
         st.late.append(t - b.finish)
@@ -1563,7 +1596,6 @@ class Server:
                                   vgpus=format_ranges(ex.vgpus))
                 continue
             b.times[hop] = (ready, start, end)
-            ex.overdue = 0
             hs.append(b.infer_h[hop])
             ts.append(start)
             te.append(end)
@@ -1632,9 +1664,9 @@ class Server:
             elif t - b.done_at > DONE_BATCH_KEEP_US:
                 self.batches.pop(b.id, None)
         self.core.gc(float(t - 1000))
-        for ident, (until, _) in list(self.quarantined.items()):  # strikes are forgiven in time
+        for v, (until, _) in list(self.quarantined.items()):  # strikes are forgiven in time
             if t > until + QUARANTINE_MAX_US:
-                del self.quarantined[ident]
+                del self.quarantined[v]
         if t >= self.prune_at:
             self.prune_at = t + CLIENT_PRUNE_US
             self.forget_clients(t)

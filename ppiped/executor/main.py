@@ -65,6 +65,8 @@ MAX_START_SKEW_US = 60_000_000
 
 REGISTER_RETRY_US = 1_000_000
 CANCELLED_MEMORY = 4096
+# FORWARDs remembered against replays: far more than the batches in flight at any time.
+FORWARDED_MEMORY = 1 << 16
 # The data socket is read in slices, so a flood on it (a local process pushing FORWARDs without
 # the data key) cannot starve the control socket, heartbeats and timers; behind this long with
 # refused FORWARDs in the backlog, it is read at most this share of the time.
@@ -268,6 +270,9 @@ class Executor:
                          "bad_peer_messages": 0, "forwards_refused": 0, "bad_jobs": 0, "run_us": 0,
                          "wait_us": 0, "loop_lag_max_us": 0}
         self.data_key = b""  # WELCOME's: the key of this executor's hop tags (wire.hop_tag)
+        # (batch, hop) of the FORWARDs taken lately: a hop runs once, a replayed FORWARD never
+        self.forwarded: set[tuple[int, int]] = set()
+        self.forwarded_order: deque = deque()
         # the scheduler and every peer cap frames alike (the same config and profiles)
         self.tensor_cap, self.tensor_cap_from = tensor_frame_cap(cfg)
 
@@ -650,12 +655,24 @@ class Executor:
                 raise wire.ProtocolError(wire.MALFORMED, "FORWARD with a tensor spec carries no frame")
             if hop < 1:
                 raise wire.ProtocolError(wire.MALFORMED, "FORWARD.hop: hop 0 comes only from the scheduler")
-            if not self.data_key or hop >= len(path) or len(tags) < hop or not hmac.compare_digest(
-                    tags[hop - 1], wire.hop_tag(self.data_key, batch, hop, path[hop])):
+            if not self.data_key or hop >= len(path) or len(tags) < hop or len(starts) != len(path) or \
+                    not -wire.CLOCK_LIMIT < starts[hop] < wire.CLOCK_LIMIT or not hmac.compare_digest(
+                    tags[hop - 1], wire.hop_tag(self.data_key, batch, hop, path[hop], starts[hop])):
                 self.counters["forwards_refused"] += 1
                 self.data_reader.flood()
                 raise wire.ProtocolError(wire.UNAUTHORIZED, f"FORWARD of batch {batch} hop {hop} without the "
                                          "scheduler's tag for it (from a peer that was not given the batch)")
+            if starts[hop] < now_us() - MAX_START_SKEW_US:  # (remembered or not: stale)
+                self.counters["forwards_refused"] += 1
+                raise wire.ProtocolError(wire.UNAUTHORIZED, f"FORWARD of batch {batch} hop {hop} reserved "
+                                         f"{MAX_START_SKEW_US / 1e6:g} s or more ago (a replay)")
+            if (batch, hop) in self.forwarded:
+                self.counters["forwards_replayed"] += 1
+                raise wire.ProtocolError(wire.UNAUTHORIZED, f"FORWARD of batch {batch} hop {hop} again (a replay)")
+            self.forwarded.add((batch, hop))
+            self.forwarded_order.append((batch, hop))
+            if len(self.forwarded_order) > FORWARDED_MEMORY:
+                self.forwarded.discard(self.forwarded_order.popleft())
             self.accept(Job(batch, path, starts, hop, ids, msg[1:], meta, now_us(), next(self.seq), tags))
         except wire.ProtocolError as e:
             self.counters["bad_peer_messages"] += 1
