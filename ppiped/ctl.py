@@ -242,6 +242,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             print(json.dumps(out, indent=1))
         return 1
+    try:
+        _print_answer(args, out)
+    except BrokenPipeError:  # the reader went away (``| head``): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _print_answer(args: argparse.Namespace, out: dict[str, Any]) -> None:
     if args.json:
         print(json.dumps(out, indent=1))
     elif args.cmd == "status":
@@ -262,7 +270,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "plan" in out:
                 print(out["plan"])
             print(json.dumps({k: v for k, v in out.items() if k != "plan"}))
-    return 0
 
 
 if __name__ == "__main__":

@@ -75,6 +75,9 @@ BASE = {"plan": "p.json", "profiles": "profiles"}
     ({"executor": {"data_port_base": 70000}}, "executor.data_port_base", "TCP port in 1024..65535"),
     ({"limits": {"max_slo_ms": 1000}, "models": {"tiny": {"slo_ms": 5000}}}, "models.tiny.slo_ms",
      "over limits.max_slo_ms"),
+    ({"threads": {"io_threads": 100_000}}, "threads.io_threads", "at most 64"),
+    ({"executor": {"threads": 1_000_000}}, "executor.threads", "at most 1024"),
+    ({"executor": {"emulate_load_ms": 9 * 10**18}}, "executor.emulate_load_ms", "at most 3600000"),
 ])
 def test_config_errors_name_key_and_problem(extra, key, problem):
     with pytest.raises(ConfigError) as e:
@@ -351,6 +354,21 @@ def test_replan_refuses_a_broken_plan_file_and_keeps_serving(ops):
         assert out["ok"] is False and out["error"], (name, out)
     st = ctl.call(ops.sock, {"cmd": "status"})
     assert st["ok"] and st["plan_version"] == before and st["vgpus"]["alive"] == 4
+
+
+def test_replan_dry_run_refuses_what_the_switch_would(ops):
+    """A plan file that parses but cannot be placed (a partition on a GPU type nobody profiled):
+    a dry run says so as the real replan does, instead of "ok"."""
+    from ppiped.plan import save_plan
+
+    save_plan(ops.plan, ops.dir / "good.json")
+    bad = json.loads((ops.dir / "good.json").read_text())
+    bad["models"][0]["pipelines"][0]["partitions"][0]["blocks"] = [0, 999]
+    (ops.dir / "unplaceable.json").write_text(json.dumps(bad))
+    outs = [ctl.call(ops.sock, {"cmd": "replan", "plan_file": str(ops.dir / "unplaceable.json"), **kw})
+            for kw in ({"dry_run": True}, {"wait": True})]
+    assert [o["ok"] for o in outs] == [False, False], outs
+    assert outs[0]["error"] == outs[1]["error"]
 
 
 def test_replan_dry_run_keeps_the_plan(ops, capsys):

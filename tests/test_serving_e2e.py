@@ -357,3 +357,22 @@ def test_threads_config_with_a_cpu_the_daemon_may_not_use_is_a_clear_error(workd
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r
     assert "threads.io_cpus: CPU 1023 not available to this process" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("extra,scheduler,fragment", [
+    ("", {"policy": 5}, "scheduler.policy: expected a policy name"),
+    ("[limits]\nmax_slo_ms = 0.001\n", None, "limits.max_slo_ms: 0.001 is below the SLO of tiny"),
+])
+def test_serve_refuses_a_config_at_odds_with_itself_or_the_plan(workdir, extra, scheduler, fragment):
+    """A policy that is no name, a SLO cap below the plan's own SLO (every request of the plan's
+    would be refused as malformed): one line, exit status 2, before anything listens."""
+    import subprocess
+    import sys
+
+    d = workdir / ("odd-" + fragment.split(":")[0])
+    d.mkdir()
+    plan, profiles = tiny.write_example(d)
+    cfg = write_config(d, plan, profiles, scheduler=scheduler, extra=extra)
+    r = subprocess.run([sys.executable, "-m", "ppiped.cli", "serve", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -56,6 +56,9 @@ class ExecutorSettings:
     def endpoint_for(self, vgpu: int) -> str:
         if self.data_endpoint:
             return self.data_endpoint.replace("{vgpu}", str(vgpu))
+        if self.data_port_base + vgpu > 65535:
+            raise ConfigError(f"executor.data_port_base: vGPU {vgpu} would listen on port "
+                              f"{self.data_port_base + vgpu} (> 65535); lower it, or set data_endpoint")
         return f"tcp://127.0.0.1:{self.data_port_base + vgpu}"
 
 
@@ -243,6 +246,12 @@ class _Table:
                               f"{', '.join(extra)} (known: {', '.join(sorted(self.used))})")
 
 
+# Upper bounds on sizes a config may ask for: beyond them a typo, not a deployment.
+MAX_EXECUTOR_THREADS = 1024
+MAX_IO_THREADS = 64
+MAX_EMULATE_LOAD_MS = 3_600_000
+
+
 def _executor_settings(t: _Table, base: ExecutorSettings, allow_remote: bool) -> ExecutorSettings:
     s = replace(
         base,
@@ -269,6 +278,11 @@ def _executor_settings(t: _Table, base: ExecutorSettings, allow_remote: bool) ->
     if not 1024 <= s.data_port_base <= 65535:
         raise ConfigError(f"{t.source}: {t.key('data_port_base')}: expected a TCP port in 1024..65535 "
                           f"(vGPU v listens on data_port_base + v), got {s.data_port_base}")
+    if s.threads > MAX_EXECUTOR_THREADS:  # ONNX Runtime sizes its pool from it: 10^6 took 20 GB
+        raise ConfigError(f"{t.source}: {t.key('threads')}: at most {MAX_EXECUTOR_THREADS}, got {s.threads}")
+    if s.emulate_load_ms > MAX_EMULATE_LOAD_MS:
+        raise ConfigError(f"{t.source}: {t.key('emulate_load_ms')}: at most {MAX_EMULATE_LOAD_MS} "
+                          f"(an hour), got {s.emulate_load_ms}")
     t.done()
     return s
 
@@ -324,6 +338,8 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
     cfg.loop_cpus = th.get("loop_cpus", (), "cpus")
     cfg.io_cpus = th.get("io_cpus", (), "cpus")
     cfg.io_threads = th.get("io_threads", 1, "int+")
+    if cfg.io_threads > MAX_IO_THREADS:  # libzmq aborts on running out of descriptors past a few hundred
+        raise ConfigError(f"{src}: {th.key('io_threads')}: at most {MAX_IO_THREADS}, got {cfg.io_threads}")
     th.done()
     cfg.scheduler = dict(top.get("scheduler", {}, "table"))
     mode = cfg.scheduler.pop("app_deadlines", cfg.app_deadlines)

@@ -151,6 +151,8 @@ class Replanner:
             out["plan"] = format_plan_table(plan)
             if not dry_run:
                 out.update(await migrate(srv, plan))
+            else:
+                _new_core(srv, plan)  # what a switch would refuse, a dry run refuses too
             out["ok"] = True
         except Exception as e:  # noqa: BLE001 - reported to the operator; the old plan stays
             out.update(ok=False, error=f"{type(e).__name__}: {e}" if not isinstance(e, InputError) else str(e))

@@ -257,6 +257,9 @@ class Server:
         self.plan = plan
         opts = dict(cfg.scheduler)
         policy = opts.pop("policy", "ppipe")
+        if not isinstance(policy, str):
+            raise ConfigError(f"{cfg.source}: scheduler.policy: expected a policy name (ppipe, pard, "
+                              f"ppipe-early-drop), got {policy!r}")
         if policy == "reactive":
             raise ConfigError(f"{cfg.source}: scheduler.policy: the daemon runs the reservation "
                               "policies (ppipe, pard, ppipe-early-drop); 'reactive' is simulator-only")
@@ -306,6 +309,10 @@ class Server:
         self.slo_us: list[int] = []
         self.input_bytes: list[int] = []
         self._model_limits()
+        over = [(m, u) for m, u in zip(self.model_names, self.slo_us, strict=True) if u > cfg.max_slo_ms * 1000]
+        if over:  # its own requests would all be refused as malformed
+            raise ConfigError(f"{cfg.source}: limits.max_slo_ms: {cfg.max_slo_ms:g} is below the SLO of "
+                              + ", ".join(f"{m} ({u / 1000:g} ms)" for m, u in over))
         self.removed_models: dict[str, int] = {}  # model -> the plan version that stopped serving it
         self.assignments = [self._assignment(v) for v in range(self.nv)]
         self.vgpu_exec: list[ExecState | None] = [None] * self.nv
