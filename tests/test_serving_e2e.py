@@ -75,6 +75,19 @@ def emulated(workdir):
         c.stop()
 
 
+def test_a_second_daemon_on_the_same_config_leaves_the_first_serving(emulated):
+    """``ppiped serve`` started twice by mistake: the second finds the first's ipc sockets held
+    and exits 2 before it binds anything (a bind would unlink them and cut the first off)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "ppiped.cli", "serve", "--config", str(emulated.config)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "is held by a live process: another ppiped serves it" in r.stderr, r.stderr
+    with Client(emulated.client_endpoint, timeout_s=10) as c:
+        assert c.submit("tiny", b"still here").data == b"still here"
+
+
 def test_submit_echo_and_info(emulated):
     with Client(emulated.client_endpoint, timeout_s=10) as c:
         info = c.info()

@@ -15,6 +15,8 @@ import contextlib
 import math
 import os
 import re
+import socket
+import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -168,6 +170,31 @@ def _fill(template: str, fields: dict[str, Any], key: str, source: Path) -> str:
 
 
 _LOCAL_TCP = re.compile(r"^tcp://127\.0\.0\.1:(\d{1,5})$")
+
+
+def ipc_taken(path: str) -> str | None:
+    """Why binding ``path`` would steal it, or None. ZeroMQ's ipc bind unlinks whatever is
+    there, so a second daemon or executor on the same path would silently cut off the live one:
+    a file that accepts a plain unix connect has a listener; a refused connect is a stale socket."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot check {path}: {e.strerror or e}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} exists and is not a socket (not replacing it)"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2.0)
+    try:
+        s.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return None  # stale: left by a process that died
+    except OSError as e:
+        return f"cannot check whether a process listens on {path}: {e.strerror or e}"
+    finally:
+        s.close()
+    return f"{path} is held by a live process"
 
 
 def check_endpoint(ep: Any, key: str, source: Any, allow_remote: bool = False) -> str:

@@ -45,7 +45,14 @@ from ..profiles import Profile
 from ..security import peer_key, serve, start_authenticator
 from ..wire import Status, T
 from . import sdnotify
-from .config import ConfigError, ServeConfig, check_endpoint, format_ranges, tensor_frame_cap
+from .config import (
+    ConfigError,
+    ServeConfig,
+    check_endpoint,
+    format_ranges,
+    ipc_taken,
+    tensor_frame_cap,
+)
 from .ctl_server import CtlServer
 from .loop import Reader, Timers, now_us, pin_this_thread, send_parts, unavailable_cpus, zmq_context
 from .metrics import Metrics, MetricsServer
@@ -469,6 +476,14 @@ class Server:
                                   f"this process (it may run on {format_ranges(sorted(os.sched_getaffinity(0)))})")
         CtlServer.group_id(cfg.ctl_group, cfg.source)
         self.queries.start()  # glue workers, before anything listens: an import error stops us here
+        # a bind on an ipc path unlinks the live socket there: a second daemon started by mistake
+        # would cut the first off from its clients and executors, and only then find out
+        for key, ep in (("endpoints.client", cfg.client), ("endpoints.executor", cfg.executor),
+                        ("endpoints.ctl", cfg.ctl), ("ctl.socket", "ipc://" + cfg.ctl_socket_path())):
+            why = ipc_taken(ep[6:]) if ep.startswith("ipc://") else None
+            if why is not None:
+                raise ConfigError(f"{cfg.source}: {key}: {why}" + (": another ppiped serves it (stop it first)"
+                                                                    if why.endswith("a live process") else ""))
         self.zctx = zmq_context(cfg.io_threads, cfg.io_cpus)
         self.auth = start_authenticator(self.zctx, cfg.security)
         try:

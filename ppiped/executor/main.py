@@ -32,8 +32,6 @@ import itertools
 import math
 import os
 import signal
-import socket
-import stat
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -49,6 +47,7 @@ from ..daemon.config import (
     ServeConfig,
     check_endpoint,
     format_ranges,
+    ipc_taken,
     load_config,
     tensor_frame_cap,
 )
@@ -87,32 +86,6 @@ def ipc_path(endpoint: str) -> str | None:
     if not endpoint.startswith("ipc://") or endpoint[6:].startswith("@") or len(endpoint) == 6:
         return None
     return endpoint[6:]
-
-
-def ipc_taken(path: str) -> str | None:
-    """Why binding ``path`` would steal it, or None. ZeroMQ's ipc bind unlinks whatever is
-    there, so a second executor for the same vGPU would silently cut off the live one: a file
-    that accepts a plain unix connect has a listener; a refused connect is a stale socket."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return f"cannot check {path}: {e.strerror or e}"
-    if not stat.S_ISSOCK(st.st_mode):
-        return f"{path} exists and is not a socket (not replacing it)"
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(2.0)
-    try:
-        s.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        return None  # stale: left by a process that died
-    except OSError as e:
-        return f"cannot check whether a process listens on {path}: {e.strerror or e}"
-    finally:
-        s.close()
-    return (f"{path} is held by a live process: another executor already serves this data endpoint "
-            "(stop it first, or give this one another vGPU or --data-endpoint)")
 
 
 class Job:
@@ -300,6 +273,9 @@ class Executor:
         serve(self.data, sec, "data", sec.own)
         path = ipc_path(self.data_endpoint)
         why = ipc_taken(path) if path else None
+        if why is not None and why.endswith("a live process"):
+            why += (": another executor already serves this data endpoint (stop it first, or give "
+                    "this one another vGPU or --data-endpoint)")
         try:
             if why is None:
                 self.data.bind(self.data_endpoint)
