@@ -234,7 +234,8 @@ def ops():
         notify.bind(str(d / "notify.sock"))
         notify.setblocking(False)
         c = LocalCluster(cfg, [[0, 2], [1, 3]], log_level="info",
-                         env={"NOTIFY_SOCKET": str(d / "notify.sock"), "WATCHDOG_USEC": "300000"})
+                         env={"NOTIFY_SOCKET": str(d / "notify.sock"), "WATCHDOG_USEC": "300000",
+                              "STATE_DIRECTORY": str(d / "state")})
         try:
             c.start()
             yield SimpleNamespace(cluster=c, sock=str(d / "admin.sock"), port=port, plan=plan, dir=d,
@@ -527,6 +528,8 @@ def test_replan_plan_file_changes_models_and_adds_vgpus(ops, capsys):
     assert t["sent"] > 0 and t["no_reply"] == 0, t  # tiny2's queued requests too: dropped model-removed
     assert rp["ok"], rp
     assert rp["version"] == before + 1 and rp["vgpus"] == 6 and rp["vgpus_missing"] == "4-5"
+    kept = json.loads((ops.dir / "state" / "plan-in-force.json").read_text())  # for the next start
+    assert [m["model"] for m in kept["models"]] == ["tiny", "tiny3"]
     st = ctl.call(ops.sock, {"cmd": "status"})
     assert set(st["models"]) == {"tiny", "tiny3"}
     assert st["vgpus"]["total"] == 6 and st["vgpus"]["missing"] == "4-5" and st["vgpus"]["alive"] == 4
@@ -689,3 +692,25 @@ def test_ctl_permission_denied_and_group_access_as_unprivileged_user():
     with short_tmpdir("ppiped-perm-") as d:
         os.chmod(d, 0o755)  # the directory must not be what refuses: the socket's mode is under test
         asyncio.run(go(d))
+
+
+def test_a_replanned_plan_outlives_a_restart_until_the_config_plan_changes(tmp_path):
+    """The plan a switch saved in the state directory is what the next start serves, while the
+    config's plan file is the one it was replanned from; edited, the config's plan wins."""
+    from ppiped.commands.serve import load_serving
+    from ppiped.daemon.state import save_plan_in_force
+    from ppiped.executor import tiny
+    from ppiped.plan import plan_from_json, save_plan
+
+    plan_path, profiles = tiny.write_example(tmp_path)
+    cfg = config_from_dict({"plan": str(plan_path), "profiles": str(profiles), "state_dir": str(tmp_path / "st")},
+                           tmp_path / "ppiped.toml")
+    started, _ = load_serving(cfg)
+    replanned = plan_from_json({**started.to_json(), "algo": "replanned"}, "replanned")
+    assert save_plan_in_force(cfg, replanned, 2) == tmp_path / "st" / "plan-in-force.json"
+    resumed, _ = load_serving(cfg)
+    assert resumed.algo == "replanned"
+    save_plan(started, plan_path)  # the operator rewrites the config's plan: it is served
+    plan_path.write_text(plan_path.read_text() + "\n")
+    assert load_serving(cfg)[0].algo == started.algo
+    assert load_serving(cfg, str(plan_path))[0].algo == started.algo  # --plan always wins

@@ -6,6 +6,8 @@ import argparse
 
 from .. import logs
 from ..daemon.config import ConfigError, ServeConfig, load_config
+from ..daemon.state import resume_plan
+from ..errors import InputError
 from ..plan import Plan, load_plan
 from ..profiles import Profile, load_profiles
 
@@ -28,7 +30,18 @@ def load_serving(cfg: ServeConfig, plan_path: str | None = None) -> tuple[Plan, 
     if cfg.profiles is None:
         raise ConfigError(f"{cfg.source}: profiles: missing (the directory of the plan's model profiles)")
     cluster = load_cluster(cfg.cluster) if cfg.cluster else None
-    plan = load_plan(path, cluster)
+    resumed = resume_plan(cfg, cluster) if plan_path is None else None
+    if resumed is not None:
+        plan, meta = resumed
+        logs.get("ppiped.serve").info("plan-resumed", plan=plan.source, version=meta.get("version"),
+                                      config_plan=str(cfg.plan))
+    else:
+        try:
+            plan = load_plan(path, cluster)
+        except InputError as e:
+            if plan_path is not None:
+                raise
+            raise ConfigError(f"{cfg.source}: plan: {e}") from None
     profiles = load_profiles(cfg.profiles, [m.model for m in plan.models])
     return plan, profiles
 

@@ -87,6 +87,7 @@ class ServeConfig:
     plan: Path | None = None
     profiles: Path | None = None
     cluster: Path | None = None
+    state_dir: Path | None = None  # the plan in force across restarts (daemon/state.py)
     client: str = "tcp://127.0.0.1:5555"
     executor: str = "tcp://127.0.0.1:5556"
     ctl: str = "tcp://127.0.0.1:5557"
@@ -327,7 +328,8 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
         p = Path(os.path.expanduser(v))
         return p if p.is_absolute() else base / p
 
-    cfg = ServeConfig(source=src, plan=path("plan"), profiles=path("profiles"), cluster=path("cluster"))
+    cfg = ServeConfig(source=src, plan=path("plan"), profiles=path("profiles"), cluster=path("cluster"),
+                      state_dir=path("state_dir"))
     ep = top.sub("endpoints")
     cfg.allow_remote = ep.get("allow_remote", False, "bool")
     for k in ("client", "executor", "ctl"):

@@ -42,6 +42,7 @@ from ..errors import InputError
 from ..plan import Plan, check_weights, format_plan_table
 from .config import format_ranges
 from .loop import Timers, now_us
+from .state import save_plan_in_force
 
 if TYPE_CHECKING:
     from .server import Server
@@ -343,6 +344,10 @@ async def migrate(srv: Server, plan: Plan) -> dict[str, Any]:
         t_switch = now_us()
         moved, removed = switch(srv, plan, core)  # 4. switch
         switched = True
+        try:
+            save_plan_in_force(srv.cfg, plan, srv.plan_version)  # a restart serves it too
+        except OSError as e:
+            log.warning("state-plan-not-saved", error=str(e))
         # 5. resume once the preloaded executors have swapped (all executors, when none preloaded;
         # bounded: then the new core serves with the vGPUs it has and drops, with a reply, what it
         # cannot serve); stragglers and executors still to come join when they are ready
