@@ -286,6 +286,7 @@ def test_ctl_status_plan_executors(ops, capsys):
     ({"cmd": "drain", "timeout_s": "5"}, "timeout_s: expected seconds"),
     ({"cmd": "replan", "dry_run": "yes"}, "dry_run: expected true or false"),
     ({"cmd": "replan", "wait": [1]}, "wait: expected true or false"),
+    ({"cmd": "replan", "weights": {"tiny": 1}, "plan_file": "/x.json"}, "not both"),
 ])
 def test_ctl_refuses_wrongly_typed_fields_by_name(ops, req, fragment):
     """A string "false" is not read as true; nothing is done, and the daemon keeps serving."""
@@ -714,3 +715,14 @@ def test_a_replanned_plan_outlives_a_restart_until_the_config_plan_changes(tmp_p
     plan_path.write_text(plan_path.read_text() + "\n")
     assert load_serving(cfg)[0].algo == started.algo
     assert load_serving(cfg, str(plan_path))[0].algo == started.algo  # --plan always wins
+
+
+def test_ctl_names_a_request_line_that_is_not_utf8(ops):
+    import socket as so
+
+    with so.socket(so.AF_UNIX) as s:
+        s.connect(ops.sock)
+        s.settimeout(10)
+        s.sendall(b"\xff\xfe\n")
+        out = json.loads(s.makefile("rb").readline())
+    assert not out["ok"] and out["error"] == "the request line is not UTF-8"

@@ -87,7 +87,11 @@ class CtlServer:
         try:
             while line := await reader.readline():
                 try:
-                    req = json.loads(line)
+                    try:
+                        text = line.decode()
+                    except UnicodeDecodeError:
+                        raise ValueError("the request line is not UTF-8") from None
+                    req = json.loads(text)
                     if not isinstance(req, dict):
                         raise ValueError("expected a JSON object")
                     out = await self.command(req)
@@ -132,6 +136,8 @@ class CtlServer:
     async def replan(self, req: dict[str, Any]) -> dict[str, Any]:
         srv = self.srv
         dry, wait = _flag(req, "dry_run"), _flag(req, "wait")  # all refusals before anything starts
+        if req.get("weights") is not None and req.get("plan_file"):
+            raise InputError("give weights or plan_file, not both (a plan file fixes the mix)")
         w = req.get("weights")
         weights = None
         if w is not None:
