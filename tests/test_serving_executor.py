@@ -508,3 +508,23 @@ def test_a_refused_registration_is_retried_not_fatal(sched, tmp_path, code):
     sched.send(ident, wire.error(code, "not now"))
     again, h, _ = sched.recv(T.REGISTER, timeout_s=5)
     assert again == ident and h.vgpus == [0] and p.poll() is None
+
+
+def test_batch_ids_of_a_restarted_scheduler_are_not_taken_for_replays(sched, tmp_path):
+    """A restarted scheduler numbers its batches from 1 again and gives each executor a new key:
+    a FORWARD of its batch 5 runs, though the executors saw a batch 5 (of the old one)."""
+    cfg = write_config(tmp_path)
+    procs, idents, directory = chain(sched, cfg, tmp_path)
+    now = [now_us()] * 2
+    sched.send(idents[0], dispatch(5, [0, 1], now, [1]), b"old")
+    assert sched.recv(T.RESULT)[2] == [b"old"]
+    new = {0: b"N" * 16, 1: b"M" * 16}
+    for v in (0, 1):
+        welcome(sched, idents[v], [v], data_key=new[v])
+    now = [now_us()] * 2
+    sched.send(idents[0], dispatch(5, [0, 1], now, [1], keys=new), b"new")
+    ident, h, frames = sched.recv(T.RESULT)
+    assert (ident, h.batch, frames) == (idents[1], 5, [b"new"])
+    for p in procs:
+        p.terminate()
+        p.wait(timeout=10)

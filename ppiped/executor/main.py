@@ -375,6 +375,11 @@ class Executor:
             elif t == T.PEERS:
                 self.on_peers(h.directory)
             elif t == T.WELCOME:
+                if h.data_key != self.data_key:
+                    # a new registration (a restarted scheduler numbers its batches from 1 again):
+                    # the FORWARDs remembered against replays were signed under the old key
+                    self.forwarded.clear()
+                    self.forwarded_order.clear()
                 self.data_key = h.data_key
                 self.on_welcome(h.assignments, h.heartbeat_ms)
             elif t == T.PREPARE:
