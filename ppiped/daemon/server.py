@@ -87,8 +87,8 @@ OFFSET_SAMPLES = 16
 MAX_VGPU_ID = 1 << 16  # registrations beyond the plan's vGPUs wait on standby, up to this id
 MAX_VGPUS_PER_EXEC = 4096  # vGPUs one executor process may register
 DONE_BATCH_KEEP_US = 2_000_000  # keep answered batches this long for late feedback
-# An executor whose hop this many batches in a row went overdue at is removed and refused for
-# QUARANTINE_US, doubling at each repeat up to QUARANTINE_MAX_US.
+# An executor charged with this many overdue batches in a row (Server._blame_overdue) is removed
+# and its vGPUs refused for QUARANTINE_US, doubling at each repeat up to QUARANTINE_MAX_US.
 OVERDUE_STRIKES = 3
 QUARANTINE_US = 5_000_000
 QUARANTINE_MAX_US = 300_000_000
@@ -330,7 +330,7 @@ class Server:
         # CURVE: a client chooses its ROUTER identity, so another client (another key) may take
         # it once the first disconnects. Each identity's connection has a generation, bumped
         # when its connection closes or another one speaks under it; a request keeps the one it
-        # came on, and its reply is sent only while that one holds (``_current``).
+        # came on, and its reply is sent only while that one holds (``connection_holds``).
         self.ident_gen: dict[bytes, int] = {}
         self.ident_fd: dict[bytes, int] = {}
         self.fd_ident: dict[int, bytes] = {}
@@ -1280,7 +1280,7 @@ class Server:
         if t < held:  # (by vGPU: the same process on a new connection is the same executor)
             self.counters["register_refused"] += 1
             self._send_exec(ident, wire.error(wire.QUARANTINED, f"batches went overdue at vGPU(s) "
-                                              f"{format_ranges(sorted(v for v in vgpus if v in self.quarantined))}; "
+                                              f"{format_ranges(sorted(v for v in vgpus if self.quarantined.get(v, (0, 0))[0] > t))}; "
                                               f"taken back in {(held - t) / 1e6:.0f} s"))
             return
         sec = self.cfg.security
