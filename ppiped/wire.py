@@ -45,12 +45,12 @@ class T(IntEnum):
     QUERY = 6  # C→S   app, slo_us (0: the app's), qid[, stages[, priority[, sent_us]]] + one frame
     ANSWER = 7  # S→C  qid, status, reason, stage, detail, outputs        + one frame per output
     REGISTER = 16  # E→S  vgpus, data_endpoint, backend, pid, clock_us, incarnation
-    WELCOME = 17  # S→E   assignments (one list per vGPU, see Assignment), heartbeat_ms
+    WELCOME = 17  # S→E   assignments (one list per vGPU, see Assignment), heartbeat_ms, data_key (its hop-tag key)
     PEERS = 18  # S→E     directory: flat [vgpu, endpoint, ...] of every registered vGPU
     HEARTBEAT = 19  # E→S clock_us, queued batches
-    DISPATCH = 20  # S→E  batch, path (vGPU per hop), starts (µs, per hop, each in its executor's clock), ids
-    #                     + one input frame per id
-    FORWARD = 21  # E→E   batch, path, starts, hop, ids, meta (tensor spec or None) + frames
+    DISPATCH = 20  # S→E  batch, path (vGPU per hop), starts (µs, per hop, each in its executor's clock), ids,
+    #                     tags (hop_tag of each later hop) + one input frame per id
+    FORWARD = 21  # E→E   batch, path, starts, hop, ids, meta (tensor spec or None), tags (DISPATCH's) + frames
     RESULT = 22  # E→S    batch, ids, meta, failed (flat [id, reason, ...]), feedback (as FEEDBACK's
     #                     entries: piggybacked, saves a message per batch)     + one frame per id
     FEEDBACK = 23  # E→S  entries: flat [vgpu, batch, hop, ready_us, start_us, end_us, ...] (sender clock)
