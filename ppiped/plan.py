@@ -266,10 +266,14 @@ def check(plan: Plan, profiles: dict[str, Profile], cluster: Cluster | None = No
             if len(p.partitions) > pr.max_partitions:
                 V("max-partitions", f"{len(p.partitions)} partitions, at most {pr.max_partitions}", pi)
             nxt = 0
+            unsafe = prof.unsafe_cuts()
             for qi, q in enumerate(p.partitions):
                 a, b = q.blocks
                 if a != nxt or b <= a:
                     V("blocks-contiguous", f"blocks [{a}, {b}) do not follow [.., {nxt})", pi, qi)
+                if qi and a in unsafe:
+                    V("unsafe-cut", f"cuts before block {a}, where the profile found the fp16 hop changes "
+                      "the model's outputs", pi, qi)
                 nxt = b
             if nxt != prof.num_blocks:
                 V("blocks-contiguous", f"partitions end at block {nxt}, the model has {prof.num_blocks}", pi)

@@ -51,6 +51,16 @@ class Profile:
     def gpus(self) -> list[str]:
         return list(self.latency)
 
+    def unsafe_cuts(self) -> frozenset[int]:
+        """Block boundaries (a cut before block c) where the profiler found the fp16 hop changes
+        the model's outputs beyond its tolerance (``extra.equivalence.unsafe_cuts``): no plan
+        cuts there. Entries that are not boundaries of this profile are ignored."""
+        eq = self.extra.get("equivalence")
+        cuts = eq.get("unsafe_cuts") if isinstance(eq, dict) else None
+        if not isinstance(cuts, list):
+            return frozenset()
+        return frozenset(c for c in cuts if type(c) is int and 0 < c < self.num_blocks)
+
     def input_spec(self) -> dict[str, Any] | None:
         """The model input as profiled (``{"name", "shape", "dtype", "bytes"}``, shape without
         the batch axis), or None when the profile does not record it (estimate-only profiles)."""

@@ -340,3 +340,58 @@ def test_realcheck_serves_a_half_precision_model(tmp_path):
     with short_tmpdir("ppiped-f16-") as d:
         check = serve_and_compare(Path(d), prof_path, [((0, 1), "CPU"), ((1, 3), "CPU")], frames=4)
     assert check.errors == [] and check.equal, check
+
+
+def _blow_up_model() -> onnx.ModelProto:
+    """Six 3x3 convolutions; the third's output is scaled by 1e6 and the fourth's back by 1e-6,
+    so the feature maps between them pass fp16's range while every output stays O(1)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(2)
+    inits, nodes, x = [], [], "image"
+    for i in range(6):
+        cin = 3 if i == 0 else 8
+        w = (rng.standard_normal((8, cin, 3, 3)) * np.sqrt(2 / (9 * cin))).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        nodes.append(helper.make_node("Conv", [x, f"w{i}"], [f"c{i}"], name=f"conv{i}", kernel_shape=[3, 3],
+                                      pads=[1, 1, 1, 1]))
+        x = f"c{i}"
+        if i in (2, 3):
+            inits.append(numpy_helper.from_array(np.array(1e6 if i == 2 else 1e-6, np.float32), f"s{i}"))
+            nodes.append(helper.make_node("Mul", [x, f"s{i}"], [f"m{i}"], name=f"scale{i}"))
+            x = f"m{i}"
+        nodes.append(helper.make_node("Relu", [x], [f"r{i}"], name=f"relu{i}"))
+        x = f"r{i}"
+    g = helper.make_graph(nodes, "blowup", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, 8, 8])],
+                          [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["N", 8, 8, 8])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_cuts_whose_fp16_hop_spoils_the_outputs_are_never_planned(tmp_path, capsys):
+    """The profile finds which cuts pass a feature map past fp16 (each cut alone against the
+    whole model), records them, warns naming them, and exits 0: the planner never cuts there,
+    and ``check`` flags a plan that does; every other cut stays usable."""
+    from ppiped.cluster import cluster_from_json
+    from ppiped.plan import PlanParams, check, plan_from_json
+    from ppiped.planner.api import algo_configs
+
+    path = tmp_path / "blowup.onnx"
+    onnx.save(_blow_up_model(), path)
+    _, prof_path = profile_model(_request(path, tmp_path / "profiles", blocks=6))
+    prof = load_profile(prof_path)
+    eq = prof.extra["equivalence"]
+    unsafe = prof.unsafe_cuts()
+    assert unsafe and not eq["passed"] and set(eq["unsafe_cuts"]) == unsafe
+    assert all(eq["cut_errors"][str(c)] is None or eq["cut_errors"][str(c)] > eq["tolerance"] for c in unsafe)
+    safe = set(range(1, prof.num_blocks)) - unsafe
+    assert safe and all(eq["cut_errors"][str(c)] <= eq["tolerance"] for c in safe)
+    assert "plans will not cut there" in capsys.readouterr().err
+    cluster = cluster_from_json({"nic_gbps": 10, "gpus": {"CPU": {"count": 4, "per_server": 4, "splits": [1]}}})
+    params = PlanParams(slo_scale=None, slo_reference_gpu=None, max_partitions=prof.num_blocks)
+    cuts = {s.start for c in algo_configs(prof, cluster, params, "ppipe", 1e9, 10.0) for s in c.segments[1:]}
+    assert cuts and cuts <= safe
+    rules = {c: [v.rule for v in check(plan_from_json(one_vgpu_plan(prof, [((0, c), "CPU"),
+                                                                          ((c, prof.num_blocks), "CPU")]), "hand"),
+                                          {prof.model: prof})]
+             for c in (min(unsafe), min(safe))}
+    assert "unsafe-cut" in rules[min(unsafe)] and "unsafe-cut" not in rules[min(safe)]

@@ -109,6 +109,7 @@ def enumerate_configs(
         top_bs = min(top_bs, max_batch)
     out: list[PipelineConfig] = []
     seg_cache: dict[tuple[int, int, int, int], Segment] = {}
+    cuttable = [c for c in range(1, nb) if c not in profile.unsafe_cuts()]  # fp16 hops that keep outputs
 
     def seg(oi: int, a: int, b: int, bs: int) -> Segment:
         key = (oi, a, b, bs)
@@ -139,7 +140,7 @@ def enumerate_configs(
         per_block = np.min([profile.latency[opts[oi][0]][opts[oi][1]][:, bs - 1] for oi in usable], axis=0)
         fastest_tail = np.r_[np.cumsum(per_block[::-1])[::-1], 0.0]
         for parts in range(1, max_partitions + 1):
-            for cuts in itertools.combinations(range(1, nb), parts - 1):
+            for cuts in itertools.combinations(cuttable, parts - 1):
                 bounds = (0, *cuts, nb)
                 _chains(seg, usable, bounds, bs, room, fastest_tail, profile.model, delay, out)
                 if len(out) > MAX_CONFIGS or time.perf_counter() > deadline:

@@ -14,6 +14,7 @@ range make its figure less telling.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,26 +168,30 @@ def _load_image(path: Path, inp: ModelInput) -> np.ndarray:
     return a.astype(inp.dtype)
 
 
+def _check_inputs(inp: ModelInput, calibration: Path | None, max_batch: int):
+    """The batches a check runs (a fresh iterable per call), their batch size, and a function
+    naming them given the sample count."""
+    batch = max(1, max_batch)
+    if calibration is not None:
+        cal = Calibration(calibration, inp)
+        return (lambda: cal.batches(batch)), batch, cal.describe
+    xs, what = random_batches(inp, batch=min(2, batch))
+    return (lambda: xs), min(2, batch), (lambda _count: what)
+
+
 def check_equivalence(whole_path: Path | str, block_paths: Sequence[Path | str], inp: ModelInput,
                       calibration: Path | None, max_batch: int, tolerance: float) -> dict[str, Any]:
     """Run the blocks in sequence against the whole model with ONNX Runtime; the record the
     profile keeps under ``extra['equivalence']``."""
     from .export import chain_errors
 
-    batch = max(1, max_batch)
     varies: dict[str, bool] = {}
     overflow: dict[str, bool] = {}
-    if calibration is not None:
-        cal = Calibration(calibration, inp)
-        errors, count = chain_errors(str(whole_path), [str(p) for p in block_paths], cal.batches(batch), varies,
-                                     overflow)
-        if count == 0:
-            raise InputError(f"calibration input {calibration} holds no samples")
-        what = cal.describe(count)
-    else:
-        batch = min(2, batch)
-        xs, what = random_batches(inp, batch=batch)
-        errors, count = chain_errors(str(whole_path), [str(p) for p in block_paths], xs, varies, overflow)
+    batches, batch, describe = _check_inputs(inp, calibration, max_batch)
+    errors, count = chain_errors(str(whole_path), [str(p) for p in block_paths], batches(), varies, overflow)
+    if count == 0:
+        raise InputError(f"calibration input {calibration} holds no samples")
+    what = describe(count)
     worst = max(errors, key=lambda k: (np.isnan(errors[k]), errors[k]))
     err = errors[worst]
     return {
@@ -206,6 +211,23 @@ def check_equivalence(whole_path: Path | str, block_paths: Sequence[Path | str],
         "batch": batch,
         "backend": "ort",
     }
+
+
+def cut_errors(whole_path: Path | str, pairs: Sequence[tuple[int, Path, Path]], inp: ModelInput,
+               calibration: Path | None, max_batch: int) -> dict[int, float]:
+    """Per cut ``c``: the model in two at that cut alone (``pairs``: (c, blocks before, blocks
+    after) as files), fp16 at the cut only, against the whole model; the largest error over the
+    outputs, NaN where the cut overflows fp16. Which cuts the fp16 hop itself spoils, where
+    the check of every block in sequence only says that some do."""
+    from .export import chain_errors
+
+    batches, _, _ = _check_inputs(inp, calibration, max_batch)
+    out: dict[int, float] = {}
+    for c, a, b in pairs:
+        overflow: dict[str, bool] = {}
+        errors, _ = chain_errors(str(whole_path), [str(a), str(b)], batches(), None, overflow)
+        out[c] = math.nan if any(overflow.values()) else max(errors.values())
+    return out
 
 
 def _figure(x: float) -> float | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import math
 import os
 import shutil
 import sys
@@ -227,6 +228,38 @@ def _existing(req: ProfileRequest, path: Path, sha: str) -> Profile | None:
         raise InputError(f"{path} has {prof.num_blocks} blocks, this run asks for {req.blocks}; "
                          "merged runs must share the blocks (pass --replace to start over)")
     return prof
+
+
+def _find_unsafe_cuts(equivalence: dict, exporter: Exporter, n: int, model_dir: Path, whole_path: Path,
+                      inp: Any, req: ProfileRequest) -> None:
+    """The blocks in sequence differ from the whole model: find the cuts whose fp16 hop does it
+    (each cut alone, the model in two there) and record them in ``equivalence`` as
+    ``unsafe_cuts``, which plans never cut at (a feature map past fp16's range, or one so small
+    it underflows). Warns naming them; with every cut unsafe the model can still be served
+    whole."""
+    from .calibration import cut_errors
+
+    tmp = model_dir / ".cuts"
+    tmp.mkdir(exist_ok=True)
+    pairs = []
+    for c in range(1, n):
+        a, b = tmp / f"before_{c:02d}.onnx", tmp / f"after_{c:02d}.onnx"
+        onnx.save(exporter.partition(0, c), str(a))
+        onnx.save(exporter.partition(c, n), str(b))
+        pairs.append((c, a, b))
+    try:
+        errs = cut_errors(whole_path, pairs, inp, req.calibration, req.max_batch)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    unsafe = [c for c, e in errs.items() if not e <= EQUIVALENCE_TOLERANCE]
+    equivalence["cut_errors"] = {str(c): (float(f"{e:.3g}") if math.isfinite(e) else None) for c, e in errs.items()}
+    equivalence["unsafe_cuts"] = unsafe
+    err = equivalence["max_rel_error"]
+    print(f"ppiped profile: warning: the blocks in sequence differ from the whole model on output "
+          f"{equivalence['worst_output']!r} by {'NaN (fp16 overflow)' if err is None else err} of its range, above "
+          f"{EQUIVALENCE_TOLERANCE} ({equivalence['input']}): "
+          + (f"the fp16 hop at the cut(s) before block(s) {', '.join(map(str, unsafe))} does it; plans will not cut there"
+             if unsafe else "no single cut does it alone; plans with many partitions may stray"), file=sys.stderr)
 
 
 def _check_runs(graph: ModelGraph, original: onnx.ModelProto, max_batch: int) -> None:
@@ -545,16 +578,8 @@ def _profile_into(req: ProfileRequest, graph: ModelGraph, existing: Profile | No
 
         equivalence = check_equivalence(whole_path, files, inp, req.calibration, req.max_batch,
                                         EQUIVALENCE_TOLERANCE)
-        if equivalence["overflow"]:
-            raise InputError(f"the blocks in sequence give inf or NaN on output(s) "
-                             f"{', '.join(map(repr, equivalence['overflow']))} where the whole model's values are "
-                             f"finite ({equivalence['input']}): a feature map crossing a cut exceeds fp16's range "
-                             "(65504), and hops carry fp16; profile with --blocks 1 to serve the model uncut")
-        if not equivalence["passed"]:
-            err = equivalence["max_rel_error"]
-            print(f"ppiped profile: warning: the blocks in sequence differ from the whole model on "
-                  f"output {equivalence['worst_output']!r} by {'NaN' if err is None else err} of its "
-                  f"range, above {EQUIVALENCE_TOLERANCE} ({equivalence['input']})", file=sys.stderr)
+        if not equivalence["passed"] or equivalence["overflow"]:
+            _find_unsafe_cuts(equivalence, exporter, len(blocks), model_dir, whole_path, inp, req)
         if equivalence["input_insensitive"] and equivalence["samples"] > 1:
             print(f"ppiped profile: warning: output(s) {', '.join(equivalence['input_insensitive'])} came "
                   f"out the same for every sample ({equivalence['input']}): the blocks' check proves "
