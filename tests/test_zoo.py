@@ -395,3 +395,12 @@ def test_cuts_whose_fp16_hop_spoils_the_outputs_are_never_planned(tmp_path, caps
                                           {prof.model: prof})]
              for c in (min(unsafe), min(safe))}
     assert "unsafe-cut" in rules[min(unsafe)] and "unsafe-cut" not in rules[min(safe)]
+
+
+def test_realcheck_refuses_an_unprofiled_batch_size_by_name():
+    from ppiped.errors import InputError as Refused
+
+    lat = {"CPU": {1: np.full((2, 1), 100.0)}}
+    prof = Profile("m", 2, lat, np.array([1000.0]), {"CPU": 200.0})
+    with pytest.raises(Refused, match="batch size 2 is not profiled on CPU"):
+        one_vgpu_plan(prof, [((0, 1), "CPU"), ((1, 2), "CPU")], batch_size=2)
