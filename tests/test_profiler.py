@@ -526,11 +526,8 @@ def test_partitions_never_reuse_a_name_the_model_has():
     assert np.abs(y - whole).max() <= 1e-2 * np.abs(whole).max()
 
 
-def test_shape_arithmetic_that_follows_the_batch_is_not_folded():
-    """A size computed as batch // 4 is 0 at batch sizes 1 and 2 and 1 at 4: with batch sizes up
-    to 4 profiled it stays a node, and the analysed model equals the original at every size."""
-    import onnxruntime as ort
-
+def _batchdiv_model() -> onnx.ModelProto:
+    """A convolution scaled by 1 + batch // 4, the batch read off its output's shape."""
     rng = np.random.default_rng(1)
     ints = {"i0": 0, "four": 4, "one": 1}
     inits = [numpy_helper.from_array(np.array(v, dtype=np.int64), k) for k, v in ints.items()]
@@ -544,7 +541,15 @@ def test_shape_arithmetic_that_follows_the_batch_is_not_folded():
              helper.make_node("Mul", ["c", "f"], ["y"])]
     g = helper.make_graph(nodes, "batchdiv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 8, 8])], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_shape_arithmetic_that_follows_the_batch_is_not_folded():
+    """A size computed as batch // 4 is 0 at batch sizes 1 and 2 and 1 at 4: with batch sizes up
+    to 4 profiled it stays a node, and the analysed model equals the original at every size."""
+    import onnxruntime as ort
+
+    m = _batchdiv_model()
 
     def run(model, bs):
         s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -607,3 +612,16 @@ def test_a_boundary_past_fp16_range_is_reported_as_overflow(tmp_path):
     assert overflow == {"y": True}
     chain_errors(paths[0], paths[1:], [np.full((2, 4), 1e-3, np.float32)], overflow=overflow)
     assert overflow == {"y": False}  # 1e3 fits fp16
+
+
+def test_a_batch_1_profile_and_a_batched_run_do_not_merge_and_say_why(tmp_path, capsys):
+    """Profiled at batch size 1 only, the model's batch-dependent sizes are fixed; a later run with
+    larger batch sizes analyses another graph, and is refused naming that, not "another model"."""
+    path = tmp_path / "batchdiv.onnx"
+    onnx.save(_batchdiv_model(), path)
+    base = ["profile", str(path), "--backend", "estimate", "--blocks", "1", "-o", str(tmp_path / "p")]
+    assert main([*base, "--gpu", "V100", "--batch-sizes", "1"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--gpu", "P4", "--batch-sizes", "1-2"]) == 2
+    err = capsys.readouterr().err
+    assert "profiled at batch size 1 only" in err and "different model" not in err, err

@@ -222,6 +222,13 @@ def _existing(req: ProfileRequest, path: Path, sha: str) -> Profile | None:
     prof = load_profile(path)
     old = prof.extra.get("onnx_sha256")
     if old != sha:
+        widths = {a.shape[1] for sp in prof.latency.values() for a in sp.values()}
+        if (widths == {1}) != (req.max_batch == 1):
+            # batch size 1 alone lets the analysis fix every size in the graph, batch included
+            raise InputError(f"{path} was profiled at batch size{' 1 only' if widths == {1} else 's above 1'} and "
+                             f"this run asks for {'1 only' if req.max_batch == 1 else 'more'}: the model is "
+                             "analysed differently for each, so the runs cannot merge; give the same "
+                             "--batch-sizes kind, or pass --replace to start a new profile")
         raise InputError(f"{path} was made from a different model (sha256 {str(old)[:12]}… vs "
                          f"{sha[:12]}…); pass --replace to start a new profile")
     if prof.num_blocks != req.blocks:
