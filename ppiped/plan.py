@@ -257,6 +257,7 @@ def check(plan: Plan, profiles: dict[str, Profile], cluster: Cluster | None = No
             V("slo", f"slo_us {m.slo_us:.1f} exceeds {pr.slo_scale} x whole-model "
               f"{pr.slo_reference_gpu} latency = {slo_ref:.1f}")
         margin = slo_margin_us(m.slo_us, pr.slo_margin)
+        unsafe = prof.unsafe_cuts()
         total = 0.0
         for pi, p in enumerate(m.pipelines):
             bs = p.batch_size
@@ -266,7 +267,6 @@ def check(plan: Plan, profiles: dict[str, Profile], cluster: Cluster | None = No
             if len(p.partitions) > pr.max_partitions:
                 V("max-partitions", f"{len(p.partitions)} partitions, at most {pr.max_partitions}", pi)
             nxt = 0
-            unsafe = prof.unsafe_cuts()
             for qi, q in enumerate(p.partitions):
                 a, b = q.blocks
                 if a != nxt or b <= a:

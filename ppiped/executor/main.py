@@ -88,6 +88,31 @@ def ipc_path(endpoint: str) -> str | None:
     return endpoint[6:]
 
 
+class Recent:
+    """A set that remembers only the last ``size`` items added: what was seen lately (cancelled
+    batches, FORWARDs taken), in memory bounded however long the executor runs."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.items: set = set()
+        self.order: deque = deque()
+
+    def __contains__(self, x: object) -> bool:
+        return x in self.items
+
+    def add(self, x: object) -> None:
+        if x in self.items:
+            return
+        self.items.add(x)
+        self.order.append(x)
+        if len(self.order) > self.size:
+            self.items.discard(self.order.popleft())
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.order.clear()
+
+
 class Job:
     """One batch at one hop: its reservation, request ids, payload frames and tensor meta."""
 
@@ -227,8 +252,7 @@ class Executor:
         self.workers: dict[int, Worker] = {}
         self.directory: dict[int, str] = {}
         self.push_socks: dict[str, zmq.Socket] = {}
-        self.cancelled: set[int] = set()
-        self.cancelled_order: deque[int] = deque()
+        self.cancelled = Recent(CANCELLED_MEMORY)
         self.seq = itertools.count()
         self.fb: list[int] = []
         self.fb_scheduled = False
@@ -243,9 +267,7 @@ class Executor:
                          "bad_peer_messages": 0, "forwards_refused": 0, "bad_jobs": 0, "run_us": 0,
                          "wait_us": 0, "loop_lag_max_us": 0}
         self.data_key = b""  # WELCOME's: the key of this executor's hop tags (wire.hop_tag)
-        # (batch, hop) of the FORWARDs taken lately: a hop runs once, a replayed FORWARD never
-        self.forwarded: set[tuple[int, int]] = set()
-        self.forwarded_order: deque = deque()
+        self.forwarded = Recent(FORWARDED_MEMORY)  # (batch, hop) taken: a hop runs once, a replay never
         # the scheduler and every peer cap frames alike (the same config and profiles)
         self.tensor_cap, self.tensor_cap_from = tensor_frame_cap(cfg)
 
@@ -379,7 +401,6 @@ class Executor:
                     # a new registration (a restarted scheduler numbers its batches from 1 again):
                     # the FORWARDs remembered against replays were signed under the old key
                     self.forwarded.clear()
-                    self.forwarded_order.clear()
                 self.data_key = h.data_key
                 self.on_welcome(h.assignments, h.heartbeat_ms)
             elif t == T.PREPARE:
@@ -614,11 +635,7 @@ class Executor:
     def on_cancel(self, batches: list[int]) -> None:
         s = set(batches)
         for b in batches:
-            if b not in self.cancelled:
-                self.cancelled.add(b)
-                self.cancelled_order.append(b)
-        while len(self.cancelled_order) > CANCELLED_MEMORY:
-            self.cancelled.discard(self.cancelled_order.popleft())
+            self.cancelled.add(b)
         for w in self.workers.values():
             w.cancel(s)
 
@@ -651,9 +668,6 @@ class Executor:
                 self.counters["forwards_replayed"] += 1
                 raise wire.ProtocolError(wire.UNAUTHORIZED, f"FORWARD of batch {batch} hop {hop} again (a replay)")
             self.forwarded.add((batch, hop))
-            self.forwarded_order.append((batch, hop))
-            if len(self.forwarded_order) > FORWARDED_MEMORY:
-                self.forwarded.discard(self.forwarded_order.popleft())
             self.accept(Job(batch, path, starts, hop, ids, msg[1:], meta, now_us(), next(self.seq), tags))
         except wire.ProtocolError as e:
             self.counters["bad_peer_messages"] += 1

@@ -184,17 +184,16 @@ def model_instances(cfgs: list[PipelineConfig], need: float, cluster: Cluster | 
     pools = sorted({(s.gpu, d) for c in cfgs for d, s in enumerate(c.segments)})
     col = {p: i for i, p in enumerate(pools)}
     gpus, gains, owner, counts = [], [], [], []
-    need0 = need
     for ci, c in enumerate(cfgs):
         t = np.array([s.rps_per_vgpu for s in c.segments])
-        if cluster is not None:
-            need = min(need0, min(s.rps_per_vgpu * cluster.gpus[s.gpu].count * s.split for s in c.segments))
+        top = need if cluster is None else min(
+            need, min(s.rps_per_vgpu * cluster.gpus[s.gpu].count * s.split for s in c.segments))
         if c.tied:
-            n = np.arange(1, max(1, math.ceil(need / t.min() - 1e-9)) + 1)
+            n = np.arange(1, max(1, math.ceil(top / t.min() - 1e-9)) + 1)
             ns = np.repeat(n[:, None], len(t), axis=1)
         else:
             levels = np.unique(np.concatenate([
-                td * np.arange(1, max(1, math.ceil(need / td - 1e-9)) + 1) for td in t]))
+                td * np.arange(1, max(1, math.ceil(top / td - 1e-9)) + 1) for td in t]))
             ns = np.ceil(levels[:, None] / t[None, :] - 1e-9).astype(np.int64)
         g = np.zeros((len(ns), len(pools)))
         for d, s in enumerate(c.segments):
