@@ -23,9 +23,11 @@ Parts (each prints JSON lines, then a table; ``--part all`` runs them in turn):
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -137,6 +139,7 @@ def _synthetic_plan() -> tuple[str, str]:
     from ppiped.executor import tiny
 
     d = Path(tempfile.mkdtemp(prefix="ppiped-overload-"))
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
     prof = tiny.profile_json(block_us=(300.0, 300.0), max_bs=4)
     plan, profiles = tiny.write_example(d, prof, vgpus=(2, 2), bs=2, slo_ms=2.0)
     return str(plan), str(profiles)

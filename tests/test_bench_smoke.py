@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,9 @@ from conftest import other_plan_set, reference_plans
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def _json_lines(args: list[str], timeout: int = 600) -> list[dict]:
-    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+def _json_lines(args: list[str], timeout: int = 600, env: dict | None = None) -> list[dict]:
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                         env=None if env is None else {**os.environ, **env})
     assert out.returncode == 0, out.stderr[-2000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
@@ -153,11 +155,12 @@ def test_faults_bench_short_run():
     assert summary["cases"] == 9 and out.returncode == (1 if summary["missed"] else 0)
 
 
-def test_overload_bench_short_run():
+def test_overload_bench_short_run(tmp_path):
     """Light-load part on its synthetic 2 ms plan (and one shared plan when present), then the
-    daemon part for a second: every request answered."""
+    daemon part for a second: every request answered, and no temporary folder left behind."""
     recs = _json_lines([str(BENCH / "overload.py"), "--part", "lowload", "--policies", "ppipe,pard",
-                        "--limit", "1", "--duration", "0.5"])
+                        "--limit", "1", "--duration", "0.5"], env={"TMPDIR": str(tmp_path)})
+    assert list(tmp_path.iterdir()) == []
     (summary,) = [r for r in recs if r.get("bench") == "overload"]
     low = summary["summary"]["lowload"]
     assert set(low) == {f"{p}@{lf}" for p in ("ppipe", "pard") for lf in (0.01, 0.02, 0.05, 0.1, 0.2)}
