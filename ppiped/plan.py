@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .cluster import MAX_VGPUS, Cluster, ClusterError, cluster_from_json
+from .packing import pack_count
+from .profiles import Profile
+from .readfile import read_json
 
 if TYPE_CHECKING:
     from .query.app import App
-from .profiles import Profile
-from .readfile import read_json
 
 PLAN_FORMAT = "ppiped-plan/1"
 
@@ -185,21 +186,22 @@ def model_slo_us(profile: Profile, params: PlanParams) -> float | None:
     return None if ref is None else params.slo_scale * ref
 
 
-def gpus_used(pools: Iterable[tuple[str, int, str, float]], share_gpus: bool = False) -> dict[str, dict]:
+def gpus_used(pools: Iterable[tuple[str, int, str, int, int]], share_gpus: bool = False) -> dict[str, dict]:
     """Physical GPUs per type under PPipe's ``force_sum_gpu_integer_per_partition`` rule.
 
-    ``pools`` holds (model, partition index, GPU type, physical GPUs as vGPUs / split). The use
-    of each (model, partition index, type) is rounded up to whole GPUs, then summed over models
-    and indices; with ``share_gpus`` the rounding is per (partition index, type) across models.
-    Returns, per type, ``{"total": n, "groups": {key: n}}`` with the rounded group counts.
+    ``pools`` holds (model, partition index, GPU type, vGPU split, vGPU count). The vGPUs of each
+    (model, partition index, type) take whole GPUs of their own, as :func:`ppiped.packing.pack`
+    places them (the use rounded up, wherever the splits allow), summed over models and indices;
+    with ``share_gpus`` a group is a (partition index, type) across models. Returns, per type,
+    ``{"total": n, "groups": {key: n}}`` with the group counts.
     """
-    use: dict[tuple, float] = defaultdict(float)
-    for model, d, gpu, g in pools:
-        use[(gpu, d) if share_gpus else (gpu, model, d)] += g
+    groups: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+    for model, d, gpu, split, n in pools:
+        groups[(gpu, d) if share_gpus else (gpu, model, d)].append((split, n))
     out: dict[str, dict] = {}
-    for key, u in sorted(use.items(), key=lambda kv: tuple(map(str, kv[0]))):
+    for key, members in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))):
         e = out.setdefault(key[0], {"total": 0, "groups": {}})
-        n = math.ceil(u - 1e-6)
+        n = pack_count(members)
         e["groups"][key[1:]] = n
         e["total"] += n
     return out
@@ -241,7 +243,7 @@ def check(plan: Plan, profiles: dict[str, Profile], cluster: Cluster | None = No
     cl = cluster or plan.cluster
     pr = plan.params
     out: list[Violation] = []
-    pools: list[tuple[str, int, str, float]] = []
+    pools: list[tuple[str, int, str, int, int]] = []
     model_ratios = []
     staged = {s.model for a in plan.apps for s in a.stages}  # an app stage's SLO is its budget
     for m in plan.models:
@@ -314,7 +316,7 @@ def check(plan: Plan, profiles: dict[str, Profile], cluster: Cluster | None = No
                     V("throughput-inflated", f"partition throughput {q.throughput_rps:.2f} rps, "
                       f"{q.num_vgpus} vGPUs sustain {x:.2f}", pi, qi)
                 part_x.append(min(x, q.throughput_rps))
-                pools.append((m.model, qi, q.gpu, q.num_vgpus / q.vgpu_split))
+                pools.append((m.model, qi, q.gpu, q.vgpu_split, q.num_vgpus))
             if not ok:
                 continue
             delay = batch_delay_us(bs, m.batch_delay_rate_rps, pr.batch_delay_factor)

@@ -31,7 +31,7 @@ MAXB = 3  # profiled batch sizes
 def make_case(seed: int, max_parts: int = 3):
     """A random plan on a random two-type cluster, with matching profiles."""
     rnd = random.Random(seed)
-    per_server = {"A": rnd.choice([1, 2]), "B": rnd.choice([1, 2])}
+    per_server = {"A": rnd.choice([1, 2, 4]), "B": rnd.choice([1, 2])}
     splits = {"A": (1, 2), "B": (1,)}
     profiles, models, need = {}, [], {"A": 0, "B": 0}
     for mi in range(rnd.choice([1, 2])):

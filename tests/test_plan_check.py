@@ -12,6 +12,7 @@ from conftest import MODELS_DIR, reference_plans
 
 from ppiped.cli import main as cli
 from ppiped.cluster import cluster_from_json
+from ppiped.core.layout import Layout
 from ppiped.plan import (
     ModelPlan,
     Partition,
@@ -205,15 +206,34 @@ def _syn_plan(spec: dict, cluster, share_gpus: bool = False) -> Plan:
 
 
 def test_gpus_used_rounds_per_model_and_partition_index():
-    pools = [("m", 0, "A", 1.5), ("m", 0, "A", 1.5), ("m", 1, "A", 1.5), ("n", 0, "A", 0.5),
-             ("n", 0, "B", 0.25)]
+    pools = [("m", 0, "A", 2, 3), ("m", 0, "A", 2, 3), ("m", 1, "A", 2, 3), ("n", 0, "A", 2, 1),
+             ("n", 0, "B", 4, 1)]
     assert gpus_used(pools) == {"A": {"total": 3 + 2 + 1, "groups": {("m", 0): 3, ("m", 1): 2, ("n", 0): 1}},
                                 "B": {"total": 1, "groups": {("n", 0): 1}}}
     assert gpus_used(pools, share_gpus=True) == {"A": {"total": 4 + 2, "groups": {(0,): 4, (1,): 2}},
                                                  "B": {"total": 1, "groups": {(0,): 1}}}
-    # float noise in a sum of thirds or tenths is not a whole extra GPU
-    assert gpus_used([("m", 0, "A", 1 / 3)] * 3)["A"]["total"] == 1
-    assert gpus_used([("m", 0, "A", 0.1)] * 10)["A"]["total"] == 1
+    assert gpus_used([("m", 0, "A", 3, 1)] * 3)["A"]["total"] == 1
+    assert gpus_used([("m", 0, "A", 10, 1)] * 10)["A"]["total"] == 1
+
+
+def test_mixed_splits_that_fill_whole_gpus_pass_check_and_the_layout():
+    """3 half, 3 third and 2 quarter vGPUs of one model fill exactly 3 GPUs; first fit,
+    larger first, would have opened a fourth, and the daemon refused what check passed."""
+    spec = {"alpha": [[(0, 4, "A", 2, 3)], [(0, 4, "A", 3, 3)], [(0, 4, "A", 4, 2)]]}
+    plan = _syn_plan(spec, _syn_cluster(a=3))
+    assert check(plan, SYN) == []
+    lay = Layout.from_plan(plan, SYN)
+    per_gpu: dict[int, float] = {}
+    for v in range(lay.num_vgpus):
+        per_gpu[int(lay.v_gpu[v])] = per_gpu.get(int(lay.v_gpu[v]), 0.0) + 1 / int(lay.v_split[v])
+    assert len(per_gpu) == 3 and all(x <= 1 + 1e-9 for x in per_gpu.values())
+
+
+def test_layout_never_puts_two_models_on_one_gpu_unless_shared():
+    spec = {"alpha": [[(0, 4, "A", 2, 1)]], "beta": [[(0, 4, "A", 2, 1)]]}
+    for share, gpus in ((False, 2), (True, 1)):
+        lay = Layout.from_plan(_syn_plan(spec, _syn_cluster(a=2), share_gpus=share), SYN)
+        assert len({int(g) for g in lay.v_gpu}) == gpus
 
 
 def test_two_models_never_share_a_gpu_unless_asked():

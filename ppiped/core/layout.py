@@ -2,10 +2,11 @@
 
 A plan says how many vGPUs each pool has; it does not say which physical GPU or server they are
 on, yet the data plane needs servers (vGPUs of a server share its NIC). :meth:`Layout.from_plan`
-decides that deterministically, following the plan's GPU budget rule: per GPU type and partition
-index, the pools' vGPUs are packed onto whole GPUs (first fit, larger vGPUs first), so pools of one
-partition index may share a physical GPU when their counts are fractional, and the partition
-indices take consecutive GPUs of the type. GPU ``g`` of a type sits in server ``g // per_server``.
+decides that deterministically, following the plan's GPU budget rule: each rounding group (a
+model's partition index on a type; a partition index on a type across models for plans that
+share GPUs) is placed on whole GPUs of its own by :func:`ppiped.packing.pack`, the count the
+checker uses, so its pipelines may share a physical GPU when their counts are fractional, and the
+groups take consecutive GPUs of the type. GPU ``g`` of a type sits in server ``g // per_server``.
 
 Ids are dense integers: pipelines in plan order (model by model), pools pipeline by pipeline and
 stage by stage, vGPUs pool by pool. Resources are the vGPUs ``0..V-1``, then per server ``s`` its
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..packing import pack
 from ..plan import Plan, PlanError
 from ..profiles import Profile
 
@@ -158,42 +160,31 @@ class Layout:
                 gpu_type.append(tindex[g])
                 gpu_server.append(srv_off[g] + i // t.per_server)
             server_type.extend([tindex[g]] * nsrv)
-        # pack vGPUs: per (type, partition index), larger vGPUs first, first fit on whole GPUs
+        # place vGPUs: each rounding group of the plan's budget rule on whole GPUs of its own
+        # (ppiped.packing, the checker's count), groups of a type on consecutive GPUs
         unit = math.lcm(*[q.vgpu_split for _, _, q in pools]) if pools else 1
         for g in gpu_types:  # cheap bound first: packing a plan far too big would take long to fail
             need = sum(q.num_vgpus * (unit // q.vgpu_split) for _, _, q in pools if q.gpu == g)
             if need > cl.gpus[g].count * unit:
                 raise LayoutError(f"{plan.source}: the plan's {g} vGPUs need at least {-(-need // unit)} whole GPUs, "
                                   f"the cluster has {cl.gpus[g].count}")
+        share = plan.params.share_gpus
+        groups: dict[tuple, list[int]] = {}
+        for i, (pipe, d, q) in enumerate(pools):
+            groups.setdefault((q.gpu, d) if share else (q.gpu, d, pipe_model[pipe]), []).append(i)
         v_gpu_of_pool: list[list[int]] = [[] for _ in range(P)]
         next_gpu = {g: 0 for g in gpu_types}
-        stages = sorted({d for _, d, _ in pools})
+        for key in sorted(groups, key=lambda k: (tindex[k[0]], *k[1:])):  # index-major, as before
+            g, members = key[0], groups[key]
+            n, placed = pack([(pools[i][2].vgpu_split, pools[i][2].num_vgpus) for i in members])
+            for i, where in zip(members, placed, strict=True):
+                v_gpu_of_pool[i] = [gpu_off[g] + next_gpu[g] + j for j in where]
+            next_gpu[g] += n
         for g in gpu_types:
-            for d in stages:
-                members = [i for i, (_, dd, q) in enumerate(pools) if dd == d and q.gpu == g]
-                members.sort(key=lambda i: pools[i][2].vgpu_split)  # stable: plan order among equals
-                free: list[int] = []  # remaining units of each opened GPU
-                full = 0  # free[:full] are all 0: first fit need not scan them (same result)
-                for i in members:
-                    size = unit // pools[i][2].vgpu_split
-                    for _ in range(pools[i][2].num_vgpus):
-                        for j in range(full, len(free)):
-                            if free[j] >= size:
-                                free[j] -= size
-                                break
-                        else:
-                            j = len(free)
-                            free.append(unit - size)
-                        v_gpu_of_pool[i].append(j)
-                        while full < len(free) and free[full] == 0:
-                            full += 1
-                base = next_gpu[g]
-                for i in members:
-                    v_gpu_of_pool[i] = [gpu_off[g] + base + j for j in v_gpu_of_pool[i]]
-                next_gpu[g] = base + len(free)
             if next_gpu[g] > cl.gpus[g].count:
-                raise LayoutError(f"the plan's {g} vGPUs need {next_gpu[g]} whole GPUs when packed, "
-                                  f"the cluster has {cl.gpus[g].count}")
+                rule = "per (partition index, type)" if share else "per (model, partition index, type)"
+                raise LayoutError(f"{plan.source}: the plan's {g} vGPUs need {next_gpu[g]} whole GPUs, "
+                                  f"placed {rule}; the cluster has {cl.gpus[g].count}")
         # vGPU arrays, pool by pool
         pool_v0 = [0]
         cols: dict[str, list[int]] = {k: [] for k in ("pool", "model", "pipe", "stage", "type", "split", "gpu")}

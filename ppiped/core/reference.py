@@ -251,7 +251,9 @@ class RefScheduler:
         drops: list[tuple[int, str]] = []
         if self.policy == "ppipe":
             for m in range(len(self.L.models)):
-                if self.dirty[m] or self.wake[m] <= now:
+                # due within a rounding: the compiled core computes the same wake times in another
+                # order, and its last bit decides whether a queue is due when ``now`` is one
+                if self.dirty[m] or self.wake[m] <= now + 1e-9 * max(1.0, abs(now)):
                     self.wake[m] = self._ppipe(m, now, out, drops)
                     self.dirty[m] = False
             return out, drops, min(self.wake[:len(self.L.models)])

@@ -112,7 +112,7 @@ def quiet_stdout() -> Iterator[None]:
 
 def gpu_budget_used(allocs: list[Allocation], share_gpus: bool = False) -> dict[str, int]:
     """Physical GPUs per type under the checker's rounding rule (:func:`ppiped.plan.gpus_used`)."""
-    pools = [(a.config.model, d, s.gpu, n / s.split) for a in allocs
+    pools = [(a.config.model, d, s.gpu, s.split, n) for a in allocs
              for d, (n, s) in enumerate(zip(a.vgpus, a.config.segments, strict=True))]
     return {g: u["total"] for g, u in gpus_used(pools, share_gpus).items()}
 
