@@ -13,7 +13,7 @@ import numbers
 import re
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -795,12 +795,15 @@ def import_reference(path: str | Path, cluster: Cluster | None = None,
 
 
 def load_plan(path: str | Path, cluster: Cluster | None = None) -> Plan:
-    """Read a ``ppiped-plan/1`` file, or a PPipe reference plan file as is."""
+    """Read a ``ppiped-plan/1`` file, or a PPipe reference plan file as is. ``cluster``, when
+    given, is the cluster the plan is judged and served on, in place of the one it names (so
+    check, sim and serve given the same ``--cluster`` agree)."""
     path = Path(path)
     d = read_json(path, PlanError)
     if isinstance(d, list):
         return import_reference(path, cluster)
-    return plan_from_json(d, str(path))
+    plan = plan_from_json(d, str(path))
+    return plan if cluster is None else replace(plan, cluster=cluster)
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 from conftest import MODELS_DIR, reference_plans
 
 from ppiped.cli import main as cli
-from ppiped.cluster import cluster_from_json
+from ppiped.cluster import cluster_from_json, load_cluster
 from ppiped.core.layout import Layout
 from ppiped.plan import (
     ModelPlan,
@@ -345,6 +345,21 @@ def test_sim_and_sweep_take_a_reference_files_cluster(syn_dirs, capsys):
                 str(tmp / "a3.toml"), "--max-factor", "1.2", "--step", "0.3", "--resolution", "0.1"]) == 0
     assert cli([*sim, "--cluster", str(tmp / "missing.toml")]) == 2
     assert "missing.toml" in capsys.readouterr().err
+
+
+def test_check_and_sim_judge_a_ppiped_plan_on_the_cluster_given(syn_dirs, capsys):
+    """--cluster replaces a ppiped-plan/1 file's own cluster in check and sim alike: a plan for
+    3 A GPUs fails both on 2, and passes both on 3 (sim used to run the file's cluster)."""
+    tmp, prof = syn_dirs
+    f = tmp / "plan.json"
+    save_plan(_syn_plan({"alpha": [A_FIRST_0_2, A_FIRST_0_3]}, _syn_cluster(a=3)), f)
+    sim = ["sim", "--plan", str(f), "--profiles", str(prof), "--load-factor", "0.5", "--duration", "0.2"]
+    for spec, ok in (("a3.toml", True), ("a2.toml", False)):
+        cl = ["--cluster", str(tmp / spec)]
+        assert cli(["check", str(f), "--profiles", str(prof), *cl]) == (0 if ok else 1)
+        assert cli([*sim, *cl]) == (0 if ok else 2)
+        capsys.readouterr()
+    assert load_plan(f, load_cluster(tmp / "a2.toml")).cluster.gpus["A"].count == 2
 
 
 def test_multi_model_reference_file_without_weights_is_refused(syn_dirs, capsys):
