@@ -12,7 +12,7 @@ from conftest import MODELS_DIR, reference_plans
 
 from ppiped.cli import main as cli
 from ppiped.cluster import cluster_from_json, load_cluster
-from ppiped.core.layout import Layout
+from ppiped.core.layout import Layout, LayoutError
 from ppiped.plan import (
     ModelPlan,
     Partition,
@@ -227,6 +227,16 @@ def test_mixed_splits_that_fill_whole_gpus_pass_check_and_the_layout():
     for v in range(lay.num_vgpus):
         per_gpu[int(lay.v_gpu[v])] = per_gpu.get(int(lay.v_gpu[v]), 0.0) + 1 / int(lay.v_split[v])
     assert len(per_gpu) == 3 and all(x <= 1 + 1e-9 for x in per_gpu.values())
+
+
+def test_a_split_the_cluster_forbids_is_flagged_by_check_and_refused_by_the_layout():
+    cl = cluster_from_json({"nic_gbps": 10, "gpus": {"A": {"count": 3, "per_server": 2, "splits": [1, 2, 4]},
+                                                     "B": {"count": 8, "per_server": 1, "splits": [1]}}})
+    plan = _syn_plan({"alpha": [[(0, 4, "A", 3, 3)]]}, _syn_cluster(a=3))
+    plan = Plan(cl, plan.params, plan.models, plan.normalized_throughput, plan.algo)
+    assert rules(plan, SYN) == {"split-not-allowed"}
+    with pytest.raises(LayoutError, match=r"split 1/3 of A is not allowed by the cluster \(allowed: \[1, 2, 4\]\)"):
+        Layout.from_plan(plan, SYN)
 
 
 def test_layout_never_puts_two_models_on_one_gpu_unless_shared():

@@ -254,7 +254,7 @@ class Layout:
 
 def _check_against_profiles(plan: Plan, profiles: dict[str, Profile]) -> None:
     """What the data plane needs of a plan beyond :func:`ppiped.plan.validate_plan`: GPU types
-    the cluster has, and pipelines that cover the model's profiled blocks in order at a batch
+    the cluster has at splits it allows, and pipelines that cover the model's profiled blocks in order at a batch
     size and split profiled on each partition's GPU. ``check`` reports these as broken rules; a
     plan served or simulated with them would index past the latency tables or compute nothing
     sensible, so they are refused here, naming the model, pipeline and partition."""
@@ -274,6 +274,9 @@ def _check_against_profiles(plan: Plan, profiles: dict[str, Profile]) -> None:
                 if q.gpu not in cl.gpus:
                     raise LayoutError(f"{w}: GPU type {q.gpu!r} is not in the cluster "
                                       f"(it has {', '.join(cl.gpus)})")
+                if q.vgpu_split not in cl.gpus[q.gpu].splits:
+                    raise LayoutError(f"{w}: split 1/{q.vgpu_split} of {q.gpu} is not allowed by the cluster "
+                                      f"(allowed: {list(cl.gpus[q.gpu].splits)})")
                 if not 0 <= a < b <= prof.num_blocks:
                     raise LayoutError(f"{w}: blocks [{a}, {b}) are not within the profile's "
                                       f"{prof.num_blocks} blocks [0, {prof.num_blocks})")
