@@ -794,16 +794,18 @@ def import_reference(path: str | Path, cluster: Cluster | None = None,
     return plan
 
 
-def load_plan(path: str | Path, cluster: Cluster | None = None) -> Plan:
+def load_plan(path: str | Path, cluster: Cluster | None = None, own_cluster: bool = False) -> Plan:
     """Read a ``ppiped-plan/1`` file, or a PPipe reference plan file as is. ``cluster``, when
     given, is the cluster the plan is judged and served on, in place of the one it names (so
-    check, sim and serve given the same ``--cluster`` agree)."""
+    check, sim and serve given the same ``--cluster`` agree); with ``own_cluster`` it is used for
+    a reference file only, and a ``ppiped-plan/1`` file keeps its own (a replan to a plan made
+    for a grown cluster)."""
     path = Path(path)
     d = read_json(path, PlanError)
     if isinstance(d, list):
         return import_reference(path, cluster)
     plan = plan_from_json(d, str(path))
-    return plan if cluster is None else replace(plan, cluster=cluster)
+    return plan if cluster is None or own_cluster else replace(plan, cluster=cluster)
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:

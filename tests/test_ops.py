@@ -373,6 +373,22 @@ def test_replan_dry_run_refuses_what_the_switch_would(ops):
     assert outs[0]["error"] == outs[1]["error"]
 
 
+def test_replan_plan_file_refuses_an_unplaceable_plan_before_it_says_started(ops):
+    """Without --wait the answer used to be "started" (exit 0) and the refusal went to the log
+    only; now the operator gets it, in the same words as with --wait, and no class name."""
+    from ppiped.plan import save_plan
+
+    save_plan(ops.plan, ops.dir / "good.json")
+    bad = json.loads((ops.dir / "good.json").read_text())
+    bad["models"][0]["pipelines"][0]["partitions"][0]["num_vgpus"] = 10_000
+    (ops.dir / "toomany.json").write_text(json.dumps(bad))
+    outs = [ctl.call(ops.sock, {"cmd": "replan", "plan_file": str(ops.dir / "toomany.json"), **kw})
+            for kw in ({}, {"wait": True})]
+    assert [o["ok"] for o in outs] == [False, False] and "started" not in outs[0], outs
+    assert "whole GPUs" in outs[0]["error"] and "Error:" not in outs[0]["error"]
+    assert ctl.main(["--socket", ops.sock, "replan", "--plan-file", str(ops.dir / "toomany.json")]) != 0
+
+
 def test_replan_dry_run_keeps_the_plan(ops, capsys):
     before = ctl.call(ops.sock, {"cmd": "status"})["plan_version"]
     assert ctl.main(["--socket", ops.sock, "replan", "--weights", "tiny=1,tiny2=4", "--dry-run"]) == 0

@@ -23,7 +23,7 @@ from ..errors import InputError
 from ..plan import check_weights, format_plan_table, load_plan
 from .config import ConfigError, format_ranges
 from .loop import now_us
-from .replan import missing_vgpus
+from .replan import missing_vgpus, placeable
 
 if TYPE_CHECKING:
     from .server import Server
@@ -161,7 +161,9 @@ class CtlServer:
                 raise InputError(f"plan_file: {path}: expected a regular file of at most "
                                  f"{MAX_PLAN_FILE_BYTES >> 20} MiB")
             # read off the loop: serving goes on while a large plan is parsed
-            plan = await asyncio.to_thread(load_plan, path, srv.plan.cluster)
+            plan = await asyncio.to_thread(load_plan, path, srv.plan.cluster, True)
+            if not dry:  # what the switch would refuse is refused here, before "started"
+                await asyncio.to_thread(placeable, srv, plan)
         task = srv.replanner.start(weights, dry, "ctl", plan)
         if not (wait or dry):
             return {"ok": True, "started": True, "version": srv.plan_version}

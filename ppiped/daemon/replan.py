@@ -37,8 +37,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .. import logs, wire
+from ..core.layout import Layout
 from ..core.scheduler import Scheduler
-from ..errors import InputError
+from ..errors import InputError, UserError
 from ..plan import Plan, check_weights, format_plan_table
 from .config import format_ranges
 from .loop import Timers, now_us
@@ -156,7 +157,7 @@ class Replanner:
                 _new_core(srv, plan)  # what a switch would refuse, a dry run refuses too
             out["ok"] = True
         except Exception as e:  # noqa: BLE001 - reported to the operator; the old plan stays
-            out.update(ok=False, error=f"{type(e).__name__}: {e}" if not isinstance(e, InputError) else str(e))
+            out.update(ok=False, error=str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
             log.warning("replan-failed", error=out["error"])
         out["duration_s"] = round(time.monotonic() - t0, 3)
         out["ended_s"] = round(time.monotonic(), 3)
@@ -269,14 +270,27 @@ def children(marker: str) -> list[int]:
     return out
 
 
-def _new_core(srv: Server, plan: Plan) -> Scheduler:
+def _new_profiles(srv: Server, plan: Plan) -> dict:
+    """Profiles of the models ``plan`` serves that the daemon does not serve yet, as the config
+    names them."""
     missing = [m.model for m in plan.models if m.model not in srv.profiles]
-    if missing:  # a model the daemon did not serve yet: its profile, as the config names them
-        from ..profiles import load_profiles
+    if not missing:
+        return {}
+    from ..profiles import load_profiles
 
-        if srv.cfg.profiles is None:
-            raise InputError(f"the new plan serves {', '.join(missing)}: no profiles directory configured")
-        srv.profiles.update(load_profiles(srv.cfg.profiles, missing))
+    if srv.cfg.profiles is None:
+        raise InputError(f"the new plan serves {', '.join(missing)}: no profiles directory configured")
+    return load_profiles(srv.cfg.profiles, missing)
+
+
+def placeable(srv: Server, plan: Plan) -> None:
+    """Raise what a switch to ``plan`` would refuse (profiles, splits, blocks, GPUs), without
+    building a core; safe off the event loop (reads only)."""
+    Layout.from_plan(plan, {**srv.profiles, **_new_profiles(srv, plan)})
+
+
+def _new_core(srv: Server, plan: Plan) -> Scheduler:
+    srv.profiles.update(_new_profiles(srv, plan))
     core = Scheduler(plan, srv.profiles, policy=srv.policy_name, **srv.core_kw)
     for v in range(core.layout.num_vgpus):
         core.remove_vgpu(v)
