@@ -814,6 +814,15 @@ def test_unknown_policy_and_unimplemented_take():
         Scheduler(plan, profs, Policy("pard", take="max"))
 
 
+@pytest.mark.parametrize("kw", [{"wait_guard_us": math.nan}, {"min_wait_us": math.inf}, {"min_wait_us": -1.0},
+                                {"share_window": math.inf}])
+def test_the_core_refuses_waits_that_are_not_finite(kw):
+    """A NaN guard passed every `v < 0` test and was served with."""
+    plan, profs = _one_pool_case()
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        Scheduler(plan, profs, "ppipe", **kw)
+
+
 def test_layout_of_a_synthetic_case():
     plan, profs = make_case(3)
     lay = Layout.from_plan(plan, profs)

@@ -375,6 +375,7 @@ def test_threads_config_with_a_cpu_the_daemon_may_not_use_is_a_clear_error(workd
 @pytest.mark.parametrize("extra,scheduler,fragment", [
     ("", {"policy": 5}, "scheduler.policy: expected a policy name"),
     ("[limits]\nmax_slo_ms = 0.001\n", None, "limits.max_slo_ms: 0.001 is below the SLO of tiny"),
+    ("", {"min_wait_us": 1e300}, "min_wait_us must be within [0, 1e+07]"),
 ])
 def test_serve_refuses_a_config_at_odds_with_itself_or_the_plan(workdir, extra, scheduler, fragment):
     """A policy that is no name, a SLO cap below the plan's own SLO (every request of the plan's

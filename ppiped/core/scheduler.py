@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +45,8 @@ POLICIES = {
     "pard": Policy("pard", pard=True),
 }
 
+# Longest a batch may be held for company (min_wait_us) or the wake-up guard: 10 s.
+MAX_WAIT_US = 1e7
 DROP_REASONS = {S.DROP_DEADLINE: "deadline", S.DROP_NO_CAPACITY: "no-capacity", S.DROP_EARLY: "early-drop"}
 KINDS = {S.KIND_INFER: "infer", S.KIND_UPLINK: "uplink", S.KIND_DOWNLINK: "downlink", S.KIND_CLAIM: "claim"}
 
@@ -179,7 +182,10 @@ class Scheduler:
         if not 0.0 <= class_room < 1.0 or not 0.0 <= pressure_room < 1.0:
             raise ValueError(f"class_room and pressure_room must be within [0, 1), got {class_room}, "
                              f"{pressure_room}")
-        if not share_window > 0.0:
+        for name, v in (("min_wait_us", min_wait_us), ("wait_guard_us", wait_guard_us)):
+            if not 0.0 <= v <= MAX_WAIT_US:  # NaN fails too
+                raise ValueError(f"{name} must be within [0, {MAX_WAIT_US:g}] µs, got {v}")
+        if not share_window > 0.0 or not math.isfinite(share_window):
             raise ValueError(f"share_window is a number of SLOs > 0, got {share_window}")
         if not 0.0 < room_quantile < 1.0:
             raise ValueError(f"room_quantile must be within (0, 1), got {room_quantile}")

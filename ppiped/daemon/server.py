@@ -275,8 +275,8 @@ class Server:
                   "share_window"):
             if k in opts:
                 v = opts.pop(k)
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                    raise ConfigError(f"{cfg.source}: scheduler.{k}: expected a number >= 0, got {v!r}")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                    raise ConfigError(f"{cfg.source}: scheduler.{k}: expected a finite number >= 0, got {v!r}")
                 kw[k] = float(v)
         kw.setdefault("wait_guard_us", 1000.0)  # wake-up lateness of a busy loop on a busy host
         # the tables pull a vGPU's queue forward after an early end only if every executor
