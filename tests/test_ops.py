@@ -113,6 +113,17 @@ def test_ctl_socket_default_follows_systemd_runtime_directory(monkeypatch):
     assert cfg.ctl_socket_path() == "/tmp/x/admin.sock"
 
 
+def test_relative_ipc_endpoints_are_the_config_files_folders():
+    """The config says relative paths are relative to it; ipc:// endpoints were relative to the
+    daemon's working directory, so executors started elsewhere missed the sockets."""
+    cfg = config_from_dict({**BASE, "endpoints": {"client": "ipc://c.sock", "executor": "ipc://sub/../e.sock"},
+                            "executor": {"data_endpoint": "ipc://data-{vgpu}.sock"}}, "/etc/ppiped/p.toml")
+    assert (cfg.client, cfg.executor) == ("ipc:///etc/ppiped/c.sock", "ipc:///etc/ppiped/e.sock")
+    assert cfg.executor_settings(3).endpoint_for(3) == "ipc:///etc/ppiped/data-3.sock"
+    assert config_from_dict({**BASE, "endpoints": {"client": "ipc:///run/c.sock"}}, "/e/p.toml").client == \
+        "ipc:///run/c.sock"
+
+
 def test_ctl_socket_group_mode_and_errors(tmp_path):
     import grp
 

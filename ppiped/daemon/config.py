@@ -198,12 +198,16 @@ def ipc_taken(path: str) -> str | None:
     return f"{path} is held by a live process"
 
 
-def check_endpoint(ep: Any, key: str, source: Any, allow_remote: bool = False) -> str:
+def check_endpoint(ep: Any, key: str, source: Any, allow_remote: bool = False, base: Path | None = None) -> str:
+    """The endpoint, checked; a relative ``ipc://`` path made absolute against ``base`` (the
+    config file's folder), so executors and clients started elsewhere find the same socket."""
     if not isinstance(ep, str) or not ep:
         raise ConfigError(f"{source}: {key}: expected an endpoint string like 'tcp://127.0.0.1:5555'")
     if ep.startswith("inproc://") and len(ep) > 9:  # within one process (tests, benches)
         return ep
     if ep.startswith("ipc://"):
+        if base is not None and not ep.startswith("ipc:///") and not ep.startswith("ipc://@"):
+            ep = "ipc://" + os.path.normpath(os.path.abspath(base / ep[6:]))
         if len(ep) - 6 > 100:
             raise ConfigError(f"{source}: {key}: ipc path longer than 100 characters (unix socket limit)")
         return ep
@@ -280,7 +284,7 @@ MAX_IO_THREADS = 64
 MAX_EMULATE_LOAD_MS = 3_600_000
 
 
-def _executor_settings(t: _Table, base: ExecutorSettings, allow_remote: bool) -> ExecutorSettings:
+def _executor_settings(t: _Table, base: ExecutorSettings, allow_remote: bool, folder: Path) -> ExecutorSettings:
     s = replace(
         base,
         backend=t.get("backend", base.backend, "str"),
@@ -302,6 +306,9 @@ def _executor_settings(t: _Table, base: ExecutorSettings, allow_remote: bool) ->
         raise ConfigError(f"{t.source}: {t.key('backend')}: expected one of {', '.join(BACKENDS)}, "
                           f"got {s.backend!r}")
     if s.data_endpoint:
+        if s.data_endpoint.startswith("ipc://"):
+            s = replace(s, data_endpoint=check_endpoint(s.data_endpoint, t.key("data_endpoint"), t.source,
+                                                        allow_remote, folder))
         check_endpoint(s.data_endpoint.replace("{vgpu}", "0"), t.key("data_endpoint"), t.source, allow_remote)
     if not 1024 <= s.data_port_base <= 65535:
         raise ConfigError(f"{t.source}: {t.key('data_port_base')}: expected a TCP port in 1024..65535 "
@@ -333,7 +340,7 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
     ep = top.sub("endpoints")
     cfg.allow_remote = ep.get("allow_remote", False, "bool")
     for k in ("client", "executor", "ctl"):
-        setattr(cfg, k, check_endpoint(ep.get(k, getattr(cfg, k), "str"), ep.key(k), src, cfg.allow_remote))
+        setattr(cfg, k, check_endpoint(ep.get(k, getattr(cfg, k), "str"), ep.key(k), src, cfg.allow_remote, base))
     seen: dict[str, str] = {}
     for k in ("client", "executor", "ctl"):
         e = getattr(cfg, k)
@@ -391,13 +398,13 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
         cfg.models[name] = ModelSettings(slo, mt.get("input_bytes", 0, "int0"))
         mt.done()
     models.done()
-    cfg.executor_defaults = _executor_settings(top.sub("executor"), ExecutorSettings(), cfg.allow_remote)
+    cfg.executor_defaults = _executor_settings(top.sub("executor"), ExecutorSettings(), cfg.allow_remote, base)
     per = top.sub("executors")
     for k in list(per.d):
         if not re.fullmatch(r"\d+", str(k)):
             raise ConfigError(f"{src}: executors.{k}: tables under [executors] are keyed by vGPU id "
                               "(an integer), e.g. [executors.3]")
-        cfg.executors[int(k)] = _executor_settings(per.sub(k), cfg.executor_defaults, cfg.allow_remote)
+        cfg.executors[int(k)] = _executor_settings(per.sub(k), cfg.executor_defaults, cfg.allow_remote, base)
     per.done()
     cfg.security = _security(top.sub("security"), cfg, base)
     top.done()
