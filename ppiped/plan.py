@@ -351,8 +351,9 @@ def check(plan: Plan, profiles: dict[str, Profile], cluster: Cluster | None = No
 
 
 def _check_apps(plan: Plan) -> list[Violation]:
-    """An app's stages are planned models whose SLO is the stage's budget, and the budgets plus
-    glue fit the app's SLO on every path (else its deadlines could not all be met)."""
+    """An app's stages are planned models whose SLO is the stage's budget, the budgets plus
+    glue fit the app's SLO on every path (else its deadlines could not all be met), and every
+    glue callable imports (the daemon refuses to start otherwise)."""
     out: list[Violation] = []
     names = {m.model: m for m in plan.models}
     for a in plan.apps:
@@ -373,6 +374,12 @@ def _check_apps(plan: Plan) -> list[Violation]:
                 path = " -> ".join(a.stages[j].name for j in p)
                 out.append(Violation("app-slo", f"{w}: budgets on the path {path} plus {len(p) - 1} glue "
                                      f"step(s) take {end / 1e3:.3f} ms, over the SLO of {a.slo_us / 1e3:.3f} ms"))
+    if plan.apps:
+        from .query.glue import glue_problems
+
+        for a, s, why in glue_problems(plan.apps):
+            out.append(Violation("glue-import", f"app {a.name!r}, stage {s.name!r}: glue {s.glue} "
+                                 f"cannot be imported: {why}"))
     return out
 
 

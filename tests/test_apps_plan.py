@@ -52,15 +52,15 @@ def cluster(a: int = 4, b: int = 8):
 def two_stage(first="det", second="cls", slo_ms=150.0, fanout=3.0, glue_ms=2.0, **stage) -> App:
     return app_from_json({"name": "q", "slo_ms": slo_ms, "glue_ms": glue_ms, "stages": [
         {"name": "first", "model": first},
-        {"name": "second", "model": second, "after": "first", "fanout": fanout, "glue": "g:crop", **stage}]})
+        {"name": "second", "model": second, "after": "first", "fanout": fanout, "glue": "ppiped.query.example_glue:crop", **stage}]})
 
 
 def tree_app() -> App:
     """det at the root, then cls (fan-out 2) and slow (fan-out 1) beside each other."""
     return app_from_json({"name": "tree", "slo_ms": 400, "glue_ms": 3, "weight": 2, "stages": [
         {"name": "detect", "model": "det"},
-        {"name": "classify", "model": "cls", "after": "detect", "fanout": 2, "glue": "g:crop"},
-        {"name": "describe", "model": "slow", "after": "detect", "glue": "g:whole"}]})
+        {"name": "classify", "model": "cls", "after": "detect", "fanout": 2, "glue": "ppiped.query.example_glue:crop"},
+        {"name": "describe", "model": "slow", "after": "detect", "glue": "ppiped.query.example_glue:crop"}]})
 
 
 def _paths_fit(app: App) -> None:
@@ -130,7 +130,7 @@ def test_even_is_in_proportion_to_latency_and_fixed_keeps_the_files_budgets():
     assert first.budget_us / second.budget_us == pytest.approx(3.0 / 0.3)
     app = app_from_json({"name": "f", "slo_ms": 150, "glue_ms": 1, "stages": [
         {"name": "a", "model": "det", "budget_ms": 100},
-        {"name": "b", "model": "cls", "after": "a", "fanout": 2, "glue": "g:f", "budget_ms": 30}]})
+        {"name": "b", "model": "cls", "after": "a", "fanout": 2, "glue": "ppiped.query.example_glue:crop", "budget_ms": 30}]})
     sp = split_apps(PROFILES, [app], cluster(), PARAMS, method="fixed")
     assert [s.budget_us for s in sp.apps[0].stages] == [100_000.0, 49_000.0]  # the leaf takes the rest
     assert sp.slos_us == [100_000.0, 49_000.0]
@@ -267,7 +267,7 @@ name = "read"
 model = "cls"
 after = "detect"
 fanout = 3
-glue = "plates.glue:crop"
+glue = "ppiped.query.example_glue:crop"
 """
 
 
@@ -284,6 +284,26 @@ def _plan_cmd(profile_dir, apps_file, *extra):
     return ["plan", "--profiles", str(profile_dir), "--gpus", "A:4,B:8", "--gpus-per-server", "2,1",
             "--vgpu-splits", "2,1", "--slo-reference-gpu", "A", "--time-limit", "20",
             "--apps", str(apps_file), *extra]
+
+
+@pytest.mark.parametrize("glue,why", [("no_such_module_xyz:crop", "No module named 'no_such_module_xyz'"),
+                                      ("ppiped.query.example_glue:no_such_fn", "no_such_fn")])
+def test_a_glue_that_does_not_import_is_refused_by_plan_and_flagged_by_check(profile_dir, tmp_path, capsys,
+                                                                           glue, why):
+    """The daemon refused to start on it while plan and check said ok."""
+    good, bad = tmp_path / "apps.toml", tmp_path / "bad.toml"
+    good.write_text(APPS_TOML)
+    bad.write_text(APPS_TOML.replace("ppiped.query.example_glue:crop", glue))
+    assert cli(_plan_cmd(profile_dir, bad)) == 2
+    err = capsys.readouterr().err
+    assert "app 'plates', stage 'read': glue" in err and why in err and "Traceback" not in err
+    out = tmp_path / "plan.json"
+    assert cli(_plan_cmd(profile_dir, good, "-o", str(out))) == 0
+    plan = load_plan(out)
+    a = plan.apps[0]
+    plan.apps = [replace(a, stages=(a.stages[0], replace(a.stages[1], glue=glue)))]
+    vs = [v for v in check(plan, PROFILES) if v.rule == "glue-import"]
+    assert len(vs) == 1 and why in vs[0].message
 
 
 def test_cli_plans_apps_and_prints_the_split(profile_dir, tmp_path, capsys):
@@ -307,9 +327,9 @@ def test_cli_plans_apps_and_prints_the_split(profile_dir, tmp_path, capsys):
     ("[[apps]\nname = 1", "not valid TOML"),
     ("[[apps]]\nname = 'a'\nslo_ms = 100\n[[apps.stages]]\nmodel = 'det'\nfanuot = 2\n", "unknown key"),
     ("[[apps]]\nname = 'a'\nslo_ms = 100\n[[apps.stages]]\nmodel = 'det'\n[[apps.stages]]\nmodel = 'cls'\n"
-     "after = 'nope'\nglue = 'g:f'\n", "'after' must name a stage listed before it"),
+     "after = 'nope'\nglue = 'ppiped.query.example_glue:crop'\n", "'after' must name a stage listed before it"),
     ("[[apps]]\nname = 'a'\nslo_ms = 100\n[[apps.stages]]\nmodel = 'det'\n[[apps.stages]]\nmodel = 'nope'\n"
-     "after = 'det'\nglue = 'g:f'\n", "app 'a', stage 'nope': unknown model 'nope'"),
+     "after = 'det'\nglue = 'ppiped.query.example_glue:crop'\n", "app 'a', stage 'nope': unknown model 'nope'"),
     ("[[apps]]\nname = 'a'\nslo_ms = 20\n[[apps.stages]]\nmodel = 'slow'\n", "stage 'slow' (model slow)"),
     ("[[apps]]\nname = 'a'\nslo_ms = 100\n[[apps.stages]]\nmodel = 'other'\n", "also listed as a plain model"),
     ("apps = 3\n", "'apps' must be a list"),
@@ -356,7 +376,7 @@ def test_shared_detector_then_classifier(shared_profiles):
     ref = {m: shared_profiles[m].whole_model_latency_us["L4"] for m in (det, cls)}
     app = app_from_json({"name": "dc", "slo_ms": 5 * (ref[det] + ref[cls]) / 1e3, "glue_ms": 1, "stages": [
         {"name": "detect", "model": det},
-        {"name": "classify", "model": cls, "after": "detect", "fanout": 3, "glue": "g:crop"}]})
+        {"name": "classify", "model": cls, "after": "detect", "fanout": 3, "glue": "ppiped.query.example_glue:crop"}]})
     cl = cluster_from_json({"nic_gbps": 10, "gpus": {
         "L4": {"count": 4, "per_server": 1, "splits": [1, 2, 3, 4]},
         "P4": {"count": 8, "per_server": 1, "splits": [1]}}})

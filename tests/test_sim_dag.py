@@ -96,8 +96,8 @@ def test_the_downstream_estimate_keeps_each_stage_its_planned_share_in_engine_an
 
     app = app_from_json({"name": "line", "slo_ms": 400, "glue_ms": 2, "stages": [
         {"name": "detect", "model": "det"},
-        {"name": "classify", "model": "cls", "after": "detect", "fanout": 2, "glue": "g:crop"},
-        {"name": "describe", "model": "slow", "after": "classify", "glue": "g:whole"}]})
+        {"name": "classify", "model": "cls", "after": "detect", "fanout": 2, "glue": "ppiped.query.example_glue:crop"},
+        {"name": "describe", "model": "slow", "after": "classify", "glue": "ppiped.query.example_glue:crop"}]})
     plan = plan_apps(PROFILES, [app], cluster(), PARAMS, time_limit=LIMIT)
     app = plan.apps[0]
     lay = Layout.from_plan(plan, PROFILES)

@@ -153,6 +153,7 @@ def _solve(args: argparse.Namespace, profiles, models, weights, cluster, params,
 def _run_apps(args: argparse.Namespace, cluster, params: PlanParams, profiles: dict, models: list[str],
               weights: list[float], rates: list[float] | None, slos: list[float] | None) -> int:
     """Plan the apps' stages (their SLO split first) beside the plain models."""
+    from ..query.glue import glue_problems
     from ..query.split import attach_split, load_apps, split_apps
 
     if rates is not None:
@@ -169,6 +170,10 @@ def _run_apps(args: argparse.Namespace, cluster, params: PlanParams, profiles: d
                     profiles.update(_check_names(load_profiles(args.profiles, [s.model]), args.profiles, where))
                 except ProfileError as e:
                     raise InputError(f"{where}: {e}") from None
+    bad = glue_problems(apps)
+    if bad:
+        a, s, why = bad[0]
+        raise InputError(f"{args.apps}: app {a.name!r}, stage {s.name!r}: glue {s.glue} cannot be imported: {why}")
     t0 = time.perf_counter()
     sp = split_apps(profiles, apps, cluster, params, args.algo, args.split or "dp", models, weights,
                     slos)

@@ -108,6 +108,20 @@ def load_callable(ref: str) -> Callable[..., Any]:
     return fn
 
 
+def glue_problems(apps: Iterable[Any]) -> list[tuple[Any, Any, str]]:
+    """(app, stage, why) for every stage whose glue callable does not load here, as a glue
+    worker would load it: what the daemon would refuse at start, found before."""
+    out = []
+    for a in apps:
+        for s in a.stages:
+            if s.glue:
+                try:
+                    load_callable(s.glue)
+                except Exception as e:  # noqa: BLE001 - any failure of user code to import is the answer
+                    out.append((a, s, f"{type(e).__name__}: {e}"))
+    return out
+
+
 def split_outputs(data: bytes, meta: Any) -> list[np.ndarray]:
     """A result frame as arrays, one per ``[dtype, shape, name]`` of ``meta`` (per-request shapes,
     concatenated in order); no meta: one flat uint8 array."""
