@@ -194,7 +194,11 @@ def load_profile(path: str | Path) -> Profile:
 
 
 def load_profiles(directory: str | Path, models: Iterable[str] | None = None) -> dict[str, Profile]:
-    """Load every ``*.json`` profile in ``directory`` (or only ``models``), keyed by model name."""
+    """Load every ``*.json`` profile in ``directory`` (or only ``models``), keyed by model name.
+
+    One rule for every tool: model ``m``'s profile is ``directory/m.json`` and says it is ``m``.
+    A name that is a path (``../x``) or a file holding another model is refused, so that no tool
+    serves a profile another tool would not find."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ProfileError(f"{directory}: profile directory does not exist")
@@ -202,20 +206,30 @@ def load_profiles(directory: str | Path, models: Iterable[str] | None = None) ->
     wanted = None if models is None else list(models)
     if wanted is not None:
         for m in wanted:
+            if not m or "/" in m or "\\" in m or m.startswith("."):
+                raise ProfileError(f"model name {m!r}: a model name is a file name in the profile "
+                                   "directory (no '/', '\\' or leading '.')")
             p = directory / f"{m}.json"
             if not p.exists():
                 have = sorted(q.stem for q in directory.glob("*.json") if not _declares_other_format(q))
                 raise ProfileError(f"unknown model {m!r}: no {p} (profiles here: {', '.join(have) or 'none'})")
-            out[m] = load_profile(p)
+            out[m] = _named(load_profile(p), p)
         return out
     for p in sorted(directory.glob("*.json")):
         if _declares_other_format(p):
             continue
-        prof = load_profile(p)
+        prof = _named(load_profile(p), p)
         out[prof.model] = prof
     if not out:
         raise ProfileError(f"{directory}: no profile files (*.json)")
     return out
+
+
+def _named(prof: Profile, path: Path) -> Profile:
+    if prof.model != path.stem:
+        raise ProfileError(f"{path}: holds the profile of {prof.model!r}; model {prof.model!r}'s profile "
+                           f"must be {prof.model}.json (rename the file or the model)")
+    return prof
 
 
 def _is_profile_format(fmt: Any) -> bool:

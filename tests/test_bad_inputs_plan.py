@@ -293,3 +293,23 @@ def test_broken_reference_plan_names_the_key(case, tmp_path, capsys):
     assert fragment in str(e.value) and str(f) in str(e.value)
     assert cli(["check", str(f), "--profiles", str(EXAMPLE)]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_every_tool_finds_a_profile_by_one_rule(tmp_path, capsys):
+    """Model m's profile is m.json and says m: check and sim took a file named after another
+    model, and a model named '../x' read a profile from outside the directory."""
+    prof = tmp_path / "profiles"
+    prof.mkdir()
+    (prof / "example.json").write_text(json.dumps({**PROFILE, "model": "other"}))
+    with pytest.raises(ProfileError, match=r"example.json: holds the profile of 'other'"):
+        load_profiles(prof, ["example"])
+    with pytest.raises(ProfileError, match=r"holds the profile of 'other'"):
+        load_profiles(prof)
+    for bad in ("../example/example", ".hidden", "a\\b"):
+        with pytest.raises(ProfileError, match="a model name is a file name"):
+            load_profiles(EXAMPLE, [bad])
+    for cmd in (["check", str(EXAMPLE / "plan.json"), "--profiles", str(prof)],
+                ["sim", "--plan", str(EXAMPLE / "plan.json"), "--profiles", str(prof), "--duration", "0.1",
+                 "--load-factor", "0.5"]):
+        assert cli(cmd) == 2
+        assert "holds the profile of 'other'" in capsys.readouterr().err

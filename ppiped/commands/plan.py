@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         slo_scale=None if slo_ms else args.slo_scale,
         slo_reference_gpu=None if slo_ms else args.slo_reference_gpu,
     )
-    profiles = _check_names(load_profiles(args.profiles, models) if models else {}, args.profiles, "--models")
+    profiles = load_profiles(args.profiles, models) if models else {}
     slos = [x * 1e3 for x in slo_ms] if slo_ms else None
     if args.split and not args.apps:
         raise InputError("--split splits the apps' SLOs: give --apps FILE")
@@ -125,15 +125,6 @@ def run(args: argparse.Namespace) -> int:
         return _run_apps(args, cluster, params, profiles, models, weights, rates, slos)
     plan = _solve(args, profiles, models, weights, cluster, params, rates, slos, args.time_limit)
     return _report(args, plan, profiles)
-
-
-def _check_names(profiles: dict, directory: str, where: str) -> dict:
-    """Each profile file holds the model it is named after: the planner keys everything by the
-    profile's own name, so another name (or a path: ``../x``) would end in a KeyError."""
-    for m, prof in profiles.items():
-        if prof.model != m:
-            raise InputError(f"{where}: {directory}/{m}.json holds the profile of {prof.model!r}, not {m!r}")
-    return profiles
 
 
 def _solve(args: argparse.Namespace, profiles, models, weights, cluster, params, rates, slos,
@@ -167,7 +158,7 @@ def _run_apps(args: argparse.Namespace, cluster, params: PlanParams, profiles: d
             if s.model not in profiles:
                 where = f"{args.apps}: app {a.name!r}, stage {s.name!r}"
                 try:
-                    profiles.update(_check_names(load_profiles(args.profiles, [s.model]), args.profiles, where))
+                    profiles.update(load_profiles(args.profiles, [s.model]))
                 except ProfileError as e:
                     raise InputError(f"{where}: {e}") from None
     bad = glue_problems(apps)

@@ -274,9 +274,6 @@ def _check_against_profiles(plan: Plan, profiles: dict[str, Profile]) -> None:
                 if q.gpu not in cl.gpus:
                     raise LayoutError(f"{w}: GPU type {q.gpu!r} is not in the cluster "
                                       f"(it has {', '.join(cl.gpus)})")
-                if q.vgpu_split not in cl.gpus[q.gpu].splits:
-                    raise LayoutError(f"{w}: split 1/{q.vgpu_split} of {q.gpu} is not allowed by the cluster "
-                                      f"(allowed: {list(cl.gpus[q.gpu].splits)})")
                 if not 0 <= a < b <= prof.num_blocks:
                     raise LayoutError(f"{w}: blocks [{a}, {b}) are not within the profile's "
                                       f"{prof.num_blocks} blocks [0, {prof.num_blocks})")
@@ -288,6 +285,9 @@ def _check_against_profiles(plan: Plan, profiles: dict[str, Profile]) -> None:
                     have = prof.splits(q.gpu)
                     raise LayoutError(f"{w}: split 1/{q.vgpu_split} of {q.gpu} is not profiled for "
                                       f"{m.model} (profiled splits: {have or 'none, not this GPU'})")
+                if q.vgpu_split not in cl.gpus[q.gpu].splits:
+                    raise LayoutError(f"{w}: split 1/{q.vgpu_split} of {q.gpu} is not allowed by the cluster "
+                                      f"(allowed: {list(cl.gpus[q.gpu].splits)})")
                 if not 1 <= bs <= prof.max_batch(q.gpu, q.vgpu_split):
                     raise LayoutError(f"{w}: batch size {bs} is not profiled for {q.gpu} at split "
                                       f"1/{q.vgpu_split} (profiled: 1-{prof.max_batch(q.gpu, q.vgpu_split)})")
