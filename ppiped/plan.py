@@ -778,12 +778,16 @@ def import_reference(path: str | Path, cluster: Cluster | None = None,
                     raise _bad(wq, "gpu", "a GPU type name", gpu)
                 split = _integer(_get(q, "mps", wq), "mps", wq) + 1
                 vgpus = num(q, "num_gpu", wq) * split
-                if not math.isfinite(vgpus):
-                    raise _bad(wq, "num_gpu", "a finite number", q["num_gpu"])
+                if not (math.isfinite(vgpus) and vgpus >= 1 - 1e-6
+                        and abs(vgpus - round(vgpus)) <= 1e-6 * max(1.0, vgpus)):
+                    raise _bad(wq, "num_gpu", f"GPUs making a whole number (>= 1) of vGPUs at split {split} "
+                               "(num_gpu x (mps + 1))", q["num_gpu"])
+                bs = _integer(_get(q, "bs", wq), "bs", wq)
+                if bs < 1:
+                    raise _bad(wq, "bs", "a batch size >= 1", bs)
                 parts.append(Partition(
                     (_integer(layers[0], "layers", wq), _integer(layers[1], "layers", wq)), gpu, split,
-                    int(round(vgpus)), num(q, "lat_infer", wq), num(q, "lat_trans", wq), num(q, "xput", wq),
-                    _integer(_get(q, "bs", wq), "bs", wq),
+                    int(round(vgpus)), num(q, "lat_infer", wq), num(q, "lat_trans", wq), num(q, "xput", wq), bs,
                 ))
             if not parts:
                 raise PlanError(f"{wp}: field partitions: a pipeline has at least one partition, got []")

@@ -275,6 +275,11 @@ REF_ERRORS: dict[str, tuple[Callable[[list], None], str]] = {
     "no-xput": (_set(0, "xput", delete=True), "[0]: missing field 'xput'"),
     "sla-nan": (_set(0, "config", "sla", value=math.nan), "field sla: expected a positive number"),
     "num-gpu-nan": (_set(0, "pipelines", 0, "partitions", 0, "num_gpu", value=math.nan), "field num_gpu"),
+    # a fractional vGPU count was rounded and served (16.6 GPUs at split 1 became 17)
+    "num-gpu-fractional": (_set(0, "pipelines", 0, "partitions", 0, "num_gpu", value=16.6),
+                           "field num_gpu: expected GPUs making a whole number (>= 1) of vGPUs"),
+    "num-gpu-negative": (_set(0, "pipelines", 0, "partitions", 0, "num_gpu", value=-2), "field num_gpu"),
+    "bs-zero": (_set(0, "pipelines", 0, "partitions", 0, "bs", value=0), "field bs: expected a batch size"),
     "gpu-not-in-name": (_set(0, "config", "gpu_name_arr", value=["V100", "T4"]),
                         "GPU type(s) 'T4' are not in the file name's cluster"),
     "not-an-object": (lambda d: d.__setitem__(0, 1), "[0]: a reference plan entry is a JSON object"),
