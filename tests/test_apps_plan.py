@@ -332,6 +332,9 @@ def test_cli_plans_apps_and_prints_the_split(profile_dir, tmp_path, capsys):
      "after = 'det'\nglue = 'ppiped.query.example_glue:crop'\n", "app 'a', stage 'nope': unknown model 'nope'"),
     ("[[apps]]\nname = 'a'\nslo_ms = 20\n[[apps.stages]]\nmodel = 'slow'\n", "stage 'slow' (model slow)"),
     ("[[apps]]\nname = 'a'\nslo_ms = 100\n[[apps.stages]]\nmodel = 'other'\n", "also listed as a plain model"),
+    ("[[apps]]\nname = 'a'\nslo_ms = 100\n[[apps.stages]]\nmodel = 'det'\n[[apps.stages]]\nmodel = 'cls'\n"
+     "after = 'det'\nfanout = 0\nglue = 'ppiped.query.example_glue:crop'\n", "fanout is the mean number"),
+    ("[[apps]]\nname = 'a'\nslo_ms = 100\nweight = 0\n[[apps.stages]]\nmodel = 'det'\n", "weight must be positive"),
     ("apps = 3\n", "'apps' must be a list"),
     ("[app]\nname = 'a'\n", "top-level 'apps' list"),
 ])
@@ -340,7 +343,7 @@ def test_cli_bad_apps_files_exit_2_with_the_reason(profile_dir, tmp_path, capsys
     f.write_text(text)
     assert cli(_plan_cmd(profile_dir, f, "--models", "other")) == 2
     err = capsys.readouterr().err
-    assert "ppiped plan: error:" in err and why in err
+    assert "ppiped plan: error:" in err and why in err and str(f) in err
 
 
 def test_cli_split_needs_apps(profile_dir, capsys):

@@ -166,8 +166,11 @@ def _run_apps(args: argparse.Namespace, cluster, params: PlanParams, profiles: d
         a, s, why = bad[0]
         raise InputError(f"{args.apps}: app {a.name!r}, stage {s.name!r}: glue {s.glue} cannot be imported: {why}")
     t0 = time.perf_counter()
-    sp = split_apps(profiles, apps, cluster, params, args.algo, args.split or "dp", models, weights,
-                    slos)
+    try:
+        sp = split_apps(profiles, apps, cluster, params, args.algo, args.split or "dp", models, weights,
+                        slos)
+    except InputError as e:  # what no split can serve: the apps file is what to change
+        raise InputError(f"{args.apps}: {e}") from None
     left = max(0.5, args.time_limit - (time.perf_counter() - t0))
     plan = _solve(args, profiles, sp.models, sp.weights, cluster, params, None, sp.slos_us, left)
     return _report(args, attach_split(plan, sp), profiles)

@@ -224,7 +224,10 @@ def app_from_json(d: Any, source: str = "<memory>") -> App:
     if not isinstance(split, str):
         raise InputError(f"{w}: 'split' must be a string")
     app = App(name, slo, tuple(stages), _num(d, "weight", w, default=1.0), glue, split)
-    app.validate()
+    try:
+        app.validate()
+    except InputError as e:  # its messages name the app and stage; the file goes in front
+        raise InputError(f"{source}: {e}") from None
     return app
 
 
