@@ -12,8 +12,27 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, as the tomli packag
     import tomli as tomllib
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are unique: json keeps the last of two equal keys silently, so a
+    hand-edited file could say one thing and mean another."""
+    d: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in d:
+            raise _DuplicateKey(f"key {k!r} appears twice in one object")
+        d[k] = v
+    return d
+
+
+def _loads_json(text: str) -> Any:
+    return json.loads(text, object_pairs_hook=_no_duplicates)
+
+
 def read_json(path: Path, error: type[Exception]) -> Any:
-    return _parse(path, error, json.loads, json.JSONDecodeError, "JSON")
+    return _parse(path, error, _loads_json, (json.JSONDecodeError, _DuplicateKey), "JSON")
 
 
 def read_toml(path: Path, error: type[Exception]) -> dict[str, Any]:
@@ -34,7 +53,7 @@ def read_text(path: Path, error: type[Exception]) -> str:
         raise error(f"{path}: cannot read: {e}") from None
 
 
-def _parse(path: Path, error: type[Exception], parse, decode_error: type[Exception], kind: str) -> Any:
+def _parse(path: Path, error: type[Exception], parse, decode_error: Any, kind: str) -> Any:
     text = read_text(path, error)
     try:
         return parse(text)

@@ -69,6 +69,9 @@ def test_profile_roundtrip_and_file_errors(tmp_path):
         load_profile(tmp_path / "bad.json")
     with pytest.raises(ProfileError, match="unknown model 'nope'"):
         load_profiles(tmp_path, ["nope"])
+    (tmp_path / "bad.json").write_text('{"model": "a", "num_blocks": 2, "num_blocks": 3}')
+    with pytest.raises(ProfileError, match="bad.json: not valid JSON: key 'num_blocks' appears twice"):
+        load_profile(tmp_path / "bad.json")  # json alone keeps the last value, silently
     (tmp_path / "bad.json").unlink()
     (tmp_path / "plan.json").write_text(json.dumps({"format": "ppiped-plan/1"}))
     assert list(load_profiles(tmp_path)) == ["tiny"], "a plan beside the profiles is skipped"
