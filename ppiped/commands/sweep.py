@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-factor", type=LOAD_FACTOR, default=3.0,
                    help="largest load factor tried (default 3)")
     p.add_argument("--jobs", type=JOBS, default=1, help="worker processes, at most 256 (2: both cores)")
-    p.add_argument("--json", action="store_true", help="one JSON line per plan")
+    p.add_argument("--json", action="store_true", help="one JSON line per plan (points: [load factor, attainment] of the runs that ran "
+                        "to the end; stopped_early: load factors whose runs stopped once below --target)")
     p.add_argument("--plot", metavar="FILE", type=output_file,
                    help="attainment vs load factor per plan (PNG, PPipe Figure 7); runs every point to the end")
     p.set_defaults(func=run)
@@ -98,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
                     for i, (n, r) in enumerate(zip(names, rates, strict=True))
                 ],
                 "points": [[f, a] for f, a in sr.curve()],
+                "stopped_early": sorted(sr.stopped),
                 "dips": sr.dips(args.target),
             }
             if args.json:

@@ -23,6 +23,7 @@ from ..profiles import Profile
 from . import engine as E
 from .dag import DagWorkload, app_results
 from .metrics import SimResult, model_results, utilization
+from .sweep import Outcome
 from .workload import Trace, generate
 
 DEFAULT_SIGMA = 0.05  # lognormal log-sd of executor latency: ~5% spread around the profile
@@ -378,8 +379,8 @@ class PointSpec:
     """Everything one sweep point needs, picklable so that worker processes can run it.
 
     Calling it with a load factor runs the simulation (profiles and plans are cached per
-    process) and returns the min-over-models attainment; :meth:`result` returns the whole
-    :class:`SimResult`.
+    process) and returns the min-over-models attainment, marked incomplete for a run stopped below
+    the target; :meth:`result` returns the whole :class:`SimResult`.
     """
 
     plan: str
@@ -407,5 +408,6 @@ class PointSpec:
                                self.seed, self.policy, self.sigma, self.cv, self.base_plan, opt, _PLANS,
                                self.trace_scale, self.high_share, self.cluster)
 
-    def __call__(self, load_factor: float) -> float:
-        return self.result(load_factor).min_attainment
+    def __call__(self, load_factor: float) -> Outcome:
+        res = self.result(load_factor)
+        return Outcome(res.min_attainment, not res.stopped)
