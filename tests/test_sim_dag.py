@@ -14,7 +14,7 @@ from ppiped.core.layout import Layout
 from ppiped.errors import InputError
 from ppiped.query.split import plan_apps
 from ppiped.sim import engine as E
-from ppiped.sim.dag import SYSTEMS, app_capacity_qps, app_workload, simulate_apps
+from ppiped.sim.dag import app_capacity_qps, app_workload, default_policy, simulate_apps
 from ppiped.sim.run import SimOptions, Simulation
 
 
@@ -28,7 +28,7 @@ def _run(plan, mode, lf, seed=0, duration=4.0, policy=None):
     lay = Layout.from_plan(plan, PROFILES)
     a = plan.apps[0]
     w = app_workload(plan, lay, {a.name: lf * app_capacity_qps(plan, a)}, duration, seed, mode)
-    pol = policy or dict(SYSTEMS.values())[mode]
+    pol = policy or default_policy(mode)
     sim = Simulation(plan, PROFILES, None, pol, seed, duration, SimOptions(), lay, dag=w)
     return sim, w, sim.run()
 
@@ -169,3 +169,9 @@ def test_sim_command_runs_a_plan_with_apps(plans, tmp_path, capsys):
     assert a["app"] == "q" and a["queries"] > 0
     assert cli([*base, "--rate", "100"]) == 2
     assert "--load-factor" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode, policy", [("split", "ppipe-early-drop"), ("e2e", "pard"), ("chain", "ppipe")])
+def test_each_deadline_mode_defaults_to_its_systems_policy(plans, mode, policy):
+    """e2e is PARD's: its default is pard, not the e2e-ppipe variant listed after it."""
+    assert simulate_apps(plans["chain"], PROFILES, 0.5, mode, duration_s=0.2).policy == policy

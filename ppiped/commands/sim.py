@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_apps(args: argparse.Namespace, plan, profiles) -> int:
     """A plan with apps: each app at ``--load-factor`` × its planned query rate (plain models at
     theirs), its stages spawned as their parents finish."""
-    from ..sim.dag import SYSTEMS, simulate_apps
+    from ..sim.dag import default_policy, simulate_apps
     from ..sim.run import base_rates
 
     if args.load_factor is None:
@@ -156,7 +156,7 @@ def _run_apps(args: argparse.Namespace, plan, profiles) -> int:
                         f"over the apps' stages) for --duration {args.duration:g} s")
     if args.plot or args.high_share:
         raise InputError("--plot and --high-share are not supported for plans with apps yet")
-    policy = args.policy or dict(SYSTEMS.values())[args.app_deadlines]
+    policy = args.policy or default_policy(args.app_deadlines)
     args.policy = policy
     opt = options_from(args)
     res = simulate_apps(plan, profiles, args.load_factor, args.app_deadlines, policy, args.duration, args.seed,

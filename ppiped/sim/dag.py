@@ -291,6 +291,14 @@ SYSTEMS = {
 }
 
 
+def default_policy(mode: str) -> str:
+    """The policy of the system named after deadline ``mode`` (``e2e``: PARD's ``pard``), looked up
+    by name: several systems share a mode."""
+    if mode not in MODES:
+        raise InputError(f"unknown deadline mode {mode!r} (choose from {', '.join(MODES)})")
+    return SYSTEMS[mode][1]
+
+
 def app_capacity_qps(plan: Plan, app: App) -> float:
     """Queries/s the plan serves of ``app``: its slowest stage's throughput over its rate factor."""
     return min(plan.model(s.model).throughput_rps / app.rate_factor(i) for i, s in enumerate(app.stages))
@@ -311,7 +319,7 @@ def simulate_apps(plan: Plan, profiles: Mapping[str, Any], load_factor: float, m
     w = app_workload(plan, lay, {a.name: load_factor * app_capacity_qps(plan, a) for a in plan.apps},
                      duration_s, seed, mode, kind, cv,
                      {m.model: load_factor * m.throughput_rps for m in plan.models if m.model not in staged})
-    pol = policy or dict(SYSTEMS.values()).get(mode, "ppipe")
+    pol = policy or default_policy(mode)
     sim = Simulation(plan, dict(profiles), None, pol, seed, duration_s, SimOptions(sigma=sigma), lay, dag=w)
     res = sim.run()
     res.extra.update(load_factor=load_factor, trace=kind)
