@@ -42,10 +42,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def point_spec(args: argparse.Namespace, plan: str):
+    """One point of the sweep of ``plan``: the world ``sim`` runs with the same flags
+    (:func:`ppiped.commands.sim.options_from`), stopped once below --target unless plotting."""
+    from ..sim.run import PointSpec
+
+    opt = options_from(args)
+    return PointSpec(plan, str(args.profiles), args.trace, args.duration, args.seed, args.policy, opt.sigma,
+                     args.cv, opt.start_early_us, args.base_plan, None if args.plot else args.target,
+                     opt.nic_fifo, args.trace_scale, args.high_share, args.cluster, opt.margin_quantile,
+                     opt.noise_z)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..cluster import load_cluster
     from ..plan import load_plan
-    from ..sim.run import PointSpec, base_rates, v4_sibling
+    from ..sim.run import base_rates, v4_sibling
     from ..sim.sweep import sweep
 
     opt = options_from(args)  # the flags' ranges: their argparse types
@@ -79,10 +91,7 @@ def run(args: argparse.Namespace) -> int:
     curves = {}
     try:
         for path, plan, names, rates in plans:
-            spec = PointSpec(str(path), str(args.profiles), args.trace, args.duration, args.seed, args.policy,
-                             opt.sigma, args.cv, opt.start_early_us, args.base_plan,
-                             None if args.plot else args.target, trace_scale=args.trace_scale,
-                             high_share=args.high_share, cluster=args.cluster)
+            spec = point_spec(args, str(path))
             sr = sweep(spec, args.target, args.step, args.resolution, args.max_factor, pool, args.jobs,
                        args.start)
             lf = sr.max_load_factor

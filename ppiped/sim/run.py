@@ -398,12 +398,18 @@ class PointSpec:
     trace_scale: str = "stretch"  # trace files: stretch or fold (see workload.azure_functions)
     high_share: float = 0.0  # share of requests in the high priority class
     cluster: str | None = None  # cluster spec for reference plans (default: from their names)
+    margin_quantile: float = 0.9
+    noise_z: float = 0.0
+
+    def sim_options(self, stop: bool = True, timeline_us: tuple[float, float] | None = None) -> SimOptions:
+        """The options of one run: the fields above, the early stop only when ``stop``."""
+        return SimOptions(sigma=self.sigma, start_early_us=self.start_early_us,
+                          stop_below=self.stop_below if stop else None, timeline_us=timeline_us,
+                          nic_fifo=self.nic_fifo, margin_quantile=self.margin_quantile, noise_z=self.noise_z)
 
     def result(self, load_factor: float, stop: bool = True, timeline_us: tuple[float, float] | None = None
                ) -> SimResult:
-        opt = SimOptions(sigma=self.sigma, start_early_us=self.start_early_us,
-                         stop_below=self.stop_below if stop else None, timeline_us=timeline_us,
-                         nic_fifo=self.nic_fifo)
+        opt = self.sim_options(stop, timeline_us)
         return run_load_factor(self.plan, _profiles(self.profiles), load_factor, self.trace, self.duration_s,
                                self.seed, self.policy, self.sigma, self.cv, self.base_plan, opt, _PLANS,
                                self.trace_scale, self.high_share, self.cluster)
