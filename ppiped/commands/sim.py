@@ -160,7 +160,7 @@ def _run_apps(args: argparse.Namespace, plan, profiles) -> int:
     args.policy = policy
     opt = options_from(args)
     res = simulate_apps(plan, profiles, args.load_factor, args.app_deadlines, policy, args.duration, args.seed,
-                        opt.sigma, args.trace, args.cv)
+                        opt.sigma, args.trace, args.cv, options=opt, trace_scale=args.trace_scale)
     if args.json:
         print(json.dumps(_finite(res.to_json())))
     else:
