@@ -86,15 +86,20 @@ def azure_functions(path: str | Path, rate_rps: float, duration_s: float,
     The file has columns ``app, func, end_timestamp, duration`` (seconds); an invocation arrives
     at ``end_timestamp - duration``. Two ways to reach the rate:
 
-    * ``stretch``: the time axis is compressed so that the whole trace's mean rate is
-      ``rate_rps``; its own burstiness is kept. A trace shorter than the horizon repeats, from a
-      random phase (so seeds differ).
+    A trace of ``n`` invocations over ``span`` seconds is taken as one period of ``n`` arrivals,
+    ``span · n / (n - 1)`` long (the span and one mean gap), so both ways replay exactly
+    ``rate_rps`` on average however short the trace:
+
+    * ``stretch``: the time axis is scaled so that the period is ``n / rate_rps``; the trace's
+      own burstiness is kept. The period repeats, from a random phase (so seeds differ).
     * ``fold``: what the PPipe artifact does for its bursty ("MAF21") runs
       (``cluster-sim/.../TraceRequestGenerator.java``, ``scaleTrace``): with ``k`` = rate_rps /
-      the trace's native rate, the trace is cut into ``k`` segments of ``span / k`` seconds that
-      are overlaid (arrival ``x`` goes to ``x mod (span / k)``), and the overlay is replayed from
-      its first arrival (gaps in order; the segment repeats). Overlaying many windows of the
-      trace smooths it a lot; the artifact uses no randomness here, so neither does this.
+      the trace's native rate, the trace is cut into ``k`` segments of ``n / rate_rps`` seconds
+      that are overlaid (arrival ``x`` goes to ``x mod segment``), and the overlay is replayed
+      from its first arrival (gaps in order; the segment repeats). Overlaying many windows of the
+      trace smooths it a lot; the artifact uses no randomness here, so neither does this. Below
+      the native rate (``k`` < 1) there is less than one window to overlay: the trace is
+      stretched to fill the segment, as ``stretch`` does without its random phase.
     """
     if scale not in TRACE_SCALES:
         raise InputError(f"trace scaling must be one of {', '.join(TRACE_SCALES)}, got {scale!r}")
@@ -122,8 +127,8 @@ def azure_functions(path: str | Path, rate_rps: float, duration_s: float,
     span = t[-1]
     if span <= 0:
         raise InputError(f"{path}: all invocations arrive at the same instant")
-    # Stretch so that len(t) arrivals cover the span at rate_rps.
-    t_us = t * (len(t) / rate_rps / span) * 1e6
+    # n - 1 gaps cover the span, one more closes the period: n arrivals per n / rate_rps
+    t_us = t * ((len(t) - 1) / rate_rps / span) * 1e6
     period = t_us[-1] + 1e6 / rate_rps
     horizon = duration_s * 1e6
     reps = int(np.ceil(horizon / period))
@@ -136,11 +141,14 @@ def azure_functions(path: str | Path, rate_rps: float, duration_s: float,
 def _fold(starts: np.ndarray, rate_rps: float, duration_s: float, path: Path) -> np.ndarray:
     """The PPipe artifact's ``scaleTrace`` + replay (see :func:`azure_functions`)."""
     t = np.sort(starts)
-    span = t[-1] - t[0]
+    t -= t[0]
+    n, span = len(t), t[-1]
     if span <= 0:
         raise InputError(f"{path}: all invocations arrive at the same instant")
-    native = (len(t) - 1) / span
-    segment = span / (rate_rps / native)
+    period = span * n / (n - 1)  # the trace's own: n arrivals at its native rate
+    segment = n / rate_rps  # n arrivals at the rate asked
+    if segment > period:  # less than one window to overlay: stretch it over the segment
+        t = t * (segment / period)
     folded = np.sort(t % segment)
     # the gaps in order; when the overlay is used up it starts again one segment later (the
     # artifact cycles the gaps without this last one, but its runs never get that far)
