@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from ..cluster import load_cluster
     from ..plan import load_plan
     from ..profiles import load_profiles
-    from ..sim.run import base_rates, simulate, v4_sibling, weight_rates
+    from ..sim.run import rates_at_one, simulate, weight_rates
     from ..sim.workload import generate
 
     if args.plot_window and not args.plot_window[0] < args.plot_window[1]:
@@ -108,9 +108,7 @@ def run(args: argparse.Namespace) -> int:
         rates = weight_rates(plan, args.rate)
         how = f"--rate {args.rate:g} for --duration {args.duration:g} s"
     else:
-        base = Path(args.base_plan) if args.base_plan else v4_sibling(args.plan)
-        bplan = load_plan(base, cluster) if base.is_file() else plan
-        rates = args.load_factor * base_rates(bplan, names)
+        rates = args.load_factor * rates_at_one(args.plan, plan, args.base_plan, cluster)
         how = (f"--load-factor {args.load_factor:g} ({float(np.sum(rates)):.6g} req/s) for "
                f"--duration {args.duration:g} s")
     check_request_count(float(np.sum(rates)) * args.duration, how)

@@ -57,7 +57,7 @@ def point_spec(args: argparse.Namespace, plan: str):
 def run(args: argparse.Namespace) -> int:
     from ..cluster import load_cluster
     from ..plan import load_plan
-    from ..sim.run import base_rates, v4_sibling
+    from ..sim.run import rates_at_one
     from ..sim.sweep import sweep
 
     opt = options_from(args)  # the flags' ranges: their argparse types
@@ -79,8 +79,7 @@ def run(args: argparse.Namespace) -> int:
     for path in args.plan:  # every plan read and sized before the first (long) sweep
         plan = load_plan(path, cluster)
         names = [m.model for m in plan.models]
-        base = Path(args.base_plan) if args.base_plan else v4_sibling(path)
-        rates = base_rates(load_plan(base, cluster) if base.is_file() else plan, names)
+        rates = rates_at_one(path, plan, args.base_plan, cluster)
         top = args.max_factor * float(rates.sum())
         check_request_count(top * args.duration, f"{path}: --max-factor {args.max_factor:g} ({top:.6g} req/s) "
                             f"for --duration {args.duration:g} s")

@@ -326,6 +326,23 @@ def v4_sibling(path: str | Path) -> Path:
     return p
 
 
+def rates_at_one(plan_path: str | Path, plan: Plan, base_plan: str | Path | None = None,
+                 cluster=None) -> np.ndarray:
+    """Per-model rates (``plan``'s order) at load factor 1.0: the throughput of each model in
+    ``base_plan``, by default the ``_v4`` sibling of a reference plan, else ``plan`` itself
+    (``cluster``: a loaded cluster spec for reference plans)."""
+    from ..errors import InputError
+
+    base = Path(base_plan) if base_plan else v4_sibling(plan_path)
+    bplan = load_plan(base, cluster) if base.is_file() and str(base) != str(plan_path) else plan
+    have = {m.model for m in bplan.models}
+    missing = [m.model for m in plan.models if m.model not in have]
+    if missing:
+        raise InputError(f"--base-plan {base}: has no model {missing[0]!r} of {Path(plan_path).name}, whose "
+                         "throughput there is its load factor 1.0")
+    return base_rates(bplan, [m.model for m in plan.models])
+
+
 def load_factor_trace(plan: Plan, rates_at_1: np.ndarray, load_factor: float, kind: str,
                       duration_s: float, seed: int, cv: float = 2.0, trace_scale: str = "stretch") -> Trace:
     return generate(kind, list(load_factor * rates_at_1), duration_s, seed, cv, trace_scale)
@@ -348,9 +365,7 @@ def run_load_factor(plan_path: str | Path, profiles: dict[str, Profile], load_fa
     if key not in cache:
         cl = load_cluster(cluster) if cluster else None
         plan = load_plan(plan_path, cl)
-        base = base_plan or v4_sibling(plan_path)
-        bplan = load_plan(base, cl) if Path(base).is_file() and str(base) != str(plan_path) else plan
-        rates = base_rates(bplan, [m.model for m in plan.models])
+        rates = rates_at_one(plan_path, plan, base_plan, cl)
         cache[key] = (plan, rates, Layout.from_plan(plan, profiles))
     plan, rates, lay = cache[key]
     trace = generate(kind, list(load_factor * rates), duration_s, seed, cv, trace_scale, high_share)

@@ -104,20 +104,10 @@ def azure_functions(path: str | Path, rate_rps: float, duration_s: float,
     if scale not in TRACE_SCALES:
         raise InputError(f"trace scaling must be one of {', '.join(TRACE_SCALES)}, got {scale!r}")
     path = Path(path)
-    reader = csv.DictReader(io.StringIO(read_text(path, InputError), newline=""))
-    missing = {"end_timestamp", "duration"} - set(reader.fieldnames or [])
-    if missing:
-        raise InputError(f"{path}: Azure trace needs columns app, func, end_timestamp, "
-                         f"duration; missing {', '.join(sorted(missing))}")
-    starts = []
-    for i, row in enumerate(reader, start=2):
-        try:
-            start = float(row["end_timestamp"]) - float(row["duration"])
-        except (TypeError, ValueError):
-            raise InputError(f"{path}:{i}: end_timestamp/duration are not numbers") from None
-        if not math.isfinite(start):
-            raise InputError(f"{path}:{i}: end_timestamp/duration must be finite numbers")
-        starts.append(start)
+    try:
+        starts = _trace_starts(path, csv.DictReader(io.StringIO(read_text(path, InputError), newline="")))
+    except csv.Error as e:  # a field past the csv module's limit, a NUL byte
+        raise InputError(f"{path}: not a readable CSV trace: {e}") from None
     if len(starts) < 2:
         raise InputError(f"{path}: trace has fewer than 2 invocations")
     if scale == "fold":
@@ -136,6 +126,23 @@ def azure_functions(path: str | Path, rate_rps: float, duration_s: float,
     # Random phase so different seeds see different windows of the trace.
     out = np.sort((out + rng.uniform(0, period)) % (reps * period))
     return out[out < horizon]
+
+
+def _trace_starts(path: Path, reader: csv.DictReader) -> list[float]:
+    missing = {"end_timestamp", "duration"} - set(reader.fieldnames or [])
+    if missing:
+        raise InputError(f"{path}: Azure trace needs columns app, func, end_timestamp, "
+                         f"duration; missing {', '.join(sorted(missing))}")
+    starts = []
+    for i, row in enumerate(reader, start=2):
+        try:
+            start = float(row["end_timestamp"]) - float(row["duration"])
+        except (TypeError, ValueError):
+            raise InputError(f"{path}:{i}: end_timestamp/duration are not numbers") from None
+        if not math.isfinite(start):
+            raise InputError(f"{path}:{i}: end_timestamp/duration must be finite numbers")
+        starts.append(start)
+    return starts
 
 
 def _fold(starts: np.ndarray, rate_rps: float, duration_s: float, path: Path) -> np.ndarray:
