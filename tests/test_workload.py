@@ -109,3 +109,13 @@ def test_a_tiny_trace_replays_the_rate_asked(tmp_path, scale):
     f = _trace_file(tmp_path / "t.csv", [0.0, 1.0, 2.0])
     t = azure_functions(f, 10.0, 30, np.random.default_rng(1), scale=scale)
     assert abs(len(t) - 300) <= 3
+
+
+@pytest.mark.parametrize("cv", [0.5, 4.0, 20.0])
+def test_bursty_counts_rate_times_duration_for_any_cv(cv):
+    """Started afresh at 0, a Gamma renewal process adds about (cv^2 - 1) / 2 arrivals near 0
+    (cv 20 at 100/s for 1 s: 238 arrivals on average, not 100)."""
+    counts = [len(gamma_bursty(100.0, 1.0, np.random.default_rng(s), cv)) for s in range(3000)]
+    assert np.mean(counts) == pytest.approx(100.0, abs=15.0)
+    again = gamma_bursty(100.0, 1.0, np.random.default_rng(5), cv)
+    assert np.array_equal(again, gamma_bursty(100.0, 1.0, np.random.default_rng(5), cv))

@@ -42,13 +42,20 @@ class Trace:
         return Trace(self.times_us, self.model, (rng.random(len(self.times_us)) < share).astype(np.int64))
 
 
-def _renewal(gaps_fn, rate_rps: float, duration_s: float, rng: np.random.Generator) -> np.ndarray:
-    """Draw inter-arrival gaps in chunks until the horizon is covered; independent of chunking."""
+def _renewal(gaps_fn, rate_rps: float, duration_s: float, rng: np.random.Generator,
+             first_fn=None) -> np.ndarray:
+    """Draw inter-arrival gaps in chunks until the horizon is covered; independent of chunking.
+    ``first_fn()``: the first arrival (default: one gap after 0)."""
     if rate_rps <= 0 or duration_s <= 0:
         return np.empty(0)
     horizon = duration_s * 1e6
     n = int(rate_rps * duration_s * 1.1) + 64
     parts, t0 = [], 0.0
+    if first_fn is not None:
+        t0 = float(first_fn())
+        parts.append(np.array([t0]))
+        if t0 >= horizon:
+            return np.empty(0)
     while True:
         t = t0 + np.cumsum(gaps_fn(n))
         parts.append(t)
@@ -66,14 +73,18 @@ def poisson(rate_rps: float, duration_s: float, rng: np.random.Generator) -> np.
 def gamma_bursty(rate_rps: float, duration_s: float, rng: np.random.Generator, cv: float = 2.0) -> np.ndarray:
     """Gamma renewal process: mean rate ``rate_rps``, coefficient of variation ``cv`` of the gaps.
 
-    cv = 1 is Poisson; cv = 4 (the default, as in the bursty workloads of the PPipe and Nexus
-    evaluations) packs arrivals into bursts separated by long quiet gaps.
+    cv = 1 is Poisson; cv = 4 (as in the bursty workloads of the PPipe and Nexus
+    evaluations) packs arrivals into bursts separated by long quiet gaps. The process is observed
+    in equilibrium: the first arrival is drawn from the forward-recurrence time (``U · Gamma(k+1,
+    θ)`` for ``Gamma(k, θ)`` gaps), so the expected count is ``rate_rps · duration_s`` for any cv
+    (started afresh at 0, a burst at t = 0 adds about (cv² - 1) / 2 arrivals).
     """
     if cv <= 0:
         raise InputError(f"bursty trace: coefficient of variation must be > 0, got {cv}")
     shape = 1.0 / (cv * cv)
     scale = 1e6 / (rate_rps * shape) if rate_rps > 0 else 1.0
-    return _renewal(lambda n: rng.gamma(shape, scale, n), rate_rps, duration_s, rng)
+    return _renewal(lambda n: rng.gamma(shape, scale, n), rate_rps, duration_s, rng,
+                    lambda: rng.random() * rng.gamma(shape + 1.0, scale))
 
 
 TRACE_SCALES = ("stretch", "fold")
