@@ -206,3 +206,15 @@ def test_app_runs_take_every_world_flag(plans, monkeypatch, tmp_path, capsys):
     assert seen["options"] == cmd.options_from(args)
     assert (seen["options"].start_early_us, seen["options"].noise_z, seen["options"].margin_quantile) == (0, 2, 0.5)
     assert seen["trace_scale"] == "fold"
+
+
+def test_sweep_refuses_a_plan_with_apps(plans, tmp_path):
+    """sweep loaded an app's stages as independent models at their planned rates."""
+    from conftest import assert_refused, run_cli
+
+    from ppiped.plan import save_plan
+
+    path = tmp_path / "app.json"
+    save_plan(plans["chain"], path)
+    p = run_cli(["ppiped.cli", "sweep", "--plan", str(path), "--profiles", str(tmp_path), "--duration", "0.2"])
+    assert_refused(p, "a plan with apps is not swept", 2, prefix="ppiped sweep: error: --plan")

@@ -78,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster) if args.cluster else None
     for path in args.plan:  # every plan read and sized before the first (long) sweep
         plan = load_plan(path, cluster)
+        if plan.apps:
+            raise InputError(f"--plan {path}: a plan with apps is not swept (its stages are not independent "
+                             "models); run ppiped sim --load-factor on it")
         names = [m.model for m in plan.models]
         rates = rates_at_one(path, plan, args.base_plan, cluster)
         top = args.max_factor * float(rates.sum())
