@@ -11,6 +11,7 @@ from conftest import MODELS_DIR, reference_plans
 
 from ppiped.cli import main
 from ppiped.cluster import Cluster, GpuType
+from ppiped.commands.sim import _finite
 from ppiped.plan import ModelPlan, Partition, Pipeline, Plan, PlanParams
 from ppiped.profiles import Profile
 from ppiped.sim import engine as E
@@ -292,3 +293,13 @@ def test_high_share_keeps_the_arrival_times():
     assert 0.25 < b.priority.mean() < 0.35
     with pytest.raises(Exception, match="share"):
         generate("poisson", [1.0], 1.0, seed=0, high_share=1.5)
+
+
+
+def test_a_run_without_decisions_prints_no_time_per_decision():
+    """0 decisions printed the whole wall time as µs per decision."""
+    res, _ = run(*tiny(), [])
+    assert res.counters["decisions"] == 0
+    assert "n/a wall per decision" in res.summary()
+    assert json.loads(json.dumps(_finite(res.to_json())))["speed"]["wall_us_per_decision"] is None
+

@@ -7,6 +7,7 @@ apart so that comparing two results' ``to_json(speed=False)`` tests determinism.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,8 +134,10 @@ class SimResult:
         lines.append(f"decisions {c['decisions']}  dispatches {c['dispatches']}  probes/dispatch {ppd:.2f}")
         if self.speed:
             s = self.speed
+            per = s["wall_us_per_decision"]
+            per = f"{per:.2f} µs" if math.isfinite(per) else "n/a"
             lines.append(f"sim wall {s['wall_s']:.3f} s  {s['requests_per_wall_s']:,.0f} simulated requests/s  "
-                         f"{s['wall_us_per_decision']:.2f} µs wall per decision (whole loop)")
+                         f"{per} wall per decision (whole loop)")
         return "\n".join(lines)
 
 

@@ -241,9 +241,9 @@ class Simulation:
                                self.r_gpu, self.duration_s, spawned, dl)
         util = utilization(lay.gpu_types, lay.v_gpu_type, self.v_busy, self.duration_s * 1e6)
         n = len(self.arr_t)
-        dec = max(1, counters["decisions"])
+        dec = counters["decisions"]
         speed = {"wall_s": self.wall_s, "requests_per_wall_s": n / self.wall_s if self.wall_s > 0 else 0.0,
-                 "wall_us_per_decision": 1e6 * self.wall_s / dec}
+                 "wall_us_per_decision": 1e6 * self.wall_s / dec if dec else math.nan}
         tl = []
         n_tl = min(int(self.si[E.I_TL_N]), self.tl_i.shape[0])
         for i in range(n_tl):
