@@ -303,3 +303,10 @@ def test_a_run_without_decisions_prints_no_time_per_decision():
     assert "n/a wall per decision" in res.summary()
     assert json.loads(json.dumps(_finite(res.to_json())))["speed"]["wall_us_per_decision"] is None
 
+
+def test_goodput_and_utilization_count_the_same_work():
+    """A request arriving 10 µs before the window's end and served 90 µs after it (100 µs of GPU
+    time) counted in goodput while utilization kept only its first 10 µs."""
+    res, _ = run(*tiny(), [990.0], duration_s=0.001)
+    assert res.models[0].goodput_rps == pytest.approx(1000.0)
+    assert res.utilization["A"] == pytest.approx(100.0 / 1000.0)

@@ -81,7 +81,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="plans with apps: stage deadlines from the SLO split (Nexus; policy "
                         "ppipe-early-drop), the query's end-to-end budget (PARD; pard, the default) or "
                         "each stage's budget from its submission (hand-chained; ppipe)")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as one JSON object (goodput_rps and utilization count the requests "
+                        "that arrived within --duration, the drain after it included)")
     p.add_argument("--plot", metavar="FILE", type=output_file, help="write a per-vGPU timeline of batches (PNG)")
     p.add_argument("--plot-window", type=number(0), nargs=2, metavar=("FROM_MS", "TO_MS"),
                    help="timeline window in simulated ms (default: 200 ms from the middle of the run)")
