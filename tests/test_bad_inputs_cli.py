@@ -205,3 +205,13 @@ def test_base_plan_without_the_plans_model_is_one_line(tmp_path, cmd):
     p = ppiped([*cmd, *extra, "--base-plan", str(base)])
     assert_refused(p, 2, "--base-plan")
     assert "'example'" in p.stderr.strip().splitlines()[-1]
+
+
+def test_sweep_reads_only_the_plans_profiles(tmp_path: Path) -> None:
+    """sweep loaded every file in --profiles and failed on a broken one that sim ignores."""
+    (tmp_path / "example.json").write_text((EXAMPLE / "example.json").read_text())
+    (tmp_path / "broken.json").write_text("{not json")
+    p = ppiped(["sweep", "--plan", PLAN, "--profiles", str(tmp_path), "--duration", "0.2", "--step", "0.5",
+                "--resolution", "0.25", "--max-factor", "1", "--json"], timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert 0 <= json.loads(p.stdout)["max_load_factor"] <= 1

@@ -379,14 +379,21 @@ def run_load_factor(plan_path: str | Path, profiles: dict[str, Profile], load_fa
 
 _PROFILES: dict[str, dict[str, Profile]] = {}
 _PLANS: dict = {}
+_MODELS: dict[tuple[str, str | None], list[str]] = {}
 
 
-def _profiles(directory: str) -> dict[str, Profile]:
+def _profiles(directory: str, plan: str, cluster: str | None) -> dict[str, Profile]:
+    """The profiles of ``plan``'s models only, as ``sim`` reads them: another file in the folder
+    is not this plan's concern."""
     from ..profiles import load_profiles
 
-    if directory not in _PROFILES:
-        _PROFILES[directory] = load_profiles(directory)
-    return _PROFILES[directory]
+    if (plan, cluster) not in _MODELS:
+        _MODELS[plan, cluster] = [m.model for m in load_plan(plan, load_cluster(cluster) if cluster else None).models]
+    have = _PROFILES.setdefault(directory, {})
+    missing = [n for n in _MODELS[plan, cluster] if n not in have]
+    if missing:
+        have.update(load_profiles(directory, missing))
+    return have
 
 
 @dataclass(frozen=True)
@@ -425,7 +432,8 @@ class PointSpec:
     def result(self, load_factor: float, stop: bool = True, timeline_us: tuple[float, float] | None = None
                ) -> SimResult:
         opt = self.sim_options(stop, timeline_us)
-        return run_load_factor(self.plan, _profiles(self.profiles), load_factor, self.trace, self.duration_s,
+        profiles = _profiles(self.profiles, self.plan, self.cluster)
+        return run_load_factor(self.plan, profiles, load_factor, self.trace, self.duration_s,
                                self.seed, self.policy, self.sigma, self.cv, self.base_plan, opt, _PLANS,
                                self.trace_scale, self.high_share, self.cluster)
 
