@@ -215,3 +215,15 @@ def test_sweep_reads_only_the_plans_profiles(tmp_path: Path) -> None:
                 "--resolution", "0.25", "--max-factor", "1", "--json"], timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert 0 <= json.loads(p.stdout)["max_load_factor"] <= 1
+
+
+@pytest.mark.parametrize("cmd", [SIM, SWEEP])
+def test_a_model_without_pipelines_is_refused(tmp_path, cmd):
+    """sim ran a plan that check rejects: a model with no pipelines served nothing."""
+    d = json.loads(Path(PLAN).read_text())
+    d["models"][0]["pipelines"] = []
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps(d))
+    extra = ["--load-factor", "0.5"] if cmd is SIM else []
+    p = ppiped([cmd[0], "--plan", str(bad), *cmd[3:], *extra], timeout=300)
+    assert_refused(p, 2, "'example' has no pipelines")

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from ..cluster import load_cluster
     from ..plan import load_plan
     from ..profiles import load_profiles
-    from ..sim.run import rates_at_one, simulate, weight_rates
+    from ..sim.run import rates_at_one, refuse_unservable, simulate, weight_rates
     from ..sim.workload import generate
 
     if args.plot_window and not args.plot_window[0] < args.plot_window[1]:
@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
                          f"({args.plot_window[1]:g})")
     cluster = load_cluster(args.cluster) if args.cluster else None
     plan = load_plan(args.plan, cluster)
+    refuse_unservable(plan, args.plan)
     profiles = load_profiles(args.profiles, [m.model for m in plan.models])
     names = [m.model for m in plan.models]
     if plan.apps:

@@ -57,7 +57,7 @@ def point_spec(args: argparse.Namespace, plan: str):
 def run(args: argparse.Namespace) -> int:
     from ..cluster import load_cluster
     from ..plan import load_plan
-    from ..sim.run import rates_at_one
+    from ..sim.run import rates_at_one, refuse_unservable
     from ..sim.sweep import sweep
 
     opt = options_from(args)  # the flags' ranges: their argparse types
@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         if plan.apps:
             raise InputError(f"--plan {path}: a plan with apps is not swept (its stages are not independent "
                              "models); run ppiped sim --load-factor on it")
+        refuse_unservable(plan, path)
         names = [m.model for m in plan.models]
         rates = rates_at_one(path, plan, args.base_plan, cluster)
         top = args.max_factor * float(rates.sum())

@@ -326,6 +326,17 @@ def v4_sibling(path: str | Path) -> Path:
     return p
 
 
+def refuse_unservable(plan: Plan, path: str | Path) -> None:
+    """A model with no pipelines serves nothing of its planned throughput (``ppiped check``:
+    throughput-inflated); simulating it would report a plan that cannot run."""
+    from ..errors import InputError
+
+    for m in plan.models:
+        if not m.pipelines:
+            raise InputError(f"--plan {path}: model {m.model!r} has no pipelines, so none of its "
+                             f"{m.throughput_rps:g} req/s can be served (ppiped check: throughput-inflated)")
+
+
 def rates_at_one(plan_path: str | Path, plan: Plan, base_plan: str | Path | None = None,
                  cluster=None) -> np.ndarray:
     """Per-model rates (``plan``'s order) at load factor 1.0: the throughput of each model in
