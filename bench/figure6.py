@@ -341,7 +341,7 @@ def _plots(args, configs, names, table, traces, systems, plans_dir, models_dir, 
                          policy, args.jitter, args.cv, args.start_early_us, str(plans_dir / f"{c}_v4.json"), None,
                          not args.no_nic, args.trace_scale)
         with ProcessPoolExecutor(max(1, args.jobs), mp_context=multiprocessing.get_context("fork")) as pool:
-            curves[s] = list(zip(lfs, pool.map(spec, lfs), strict=True))
+            curves[s] = [(f, o.attainment) for f, o in zip(lfs, pool.map(spec, lfs), strict=True)]
     paths.append(str(plot_attainment(curves, out / "figure7.png", title=f"{short_name(c)}, {tr}",
                                      target=args.target)))
     window = (10e6, 10.05e6) if args.duration > 10.05 else (0.4 * args.duration * 1e6, 0.4 * args.duration * 1e6 + 50e3)

@@ -181,3 +181,49 @@ def test_bad_trace_files_are_named(tmp_path, body, fragment):
     p = ppiped([*SIM, "--load-factor", "0.5", "--trace", str(trace)])
     assert_refused(p, 2, fragment)
     assert str(trace) in p.stderr
+
+
+@pytest.mark.parametrize("cmd", [SIM, SWEEP])
+def test_trace_field_past_the_csv_limit_is_one_line(tmp_path, cmd):
+    """A field over 131,072 characters was a _csv.Error traceback."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("app,func,end_timestamp,duration\n" + "a" * 140_000 + ",f,1.0,0.5\n")
+    extra = ["--load-factor", "0.5"] if cmd is SIM else []
+    p = ppiped([*cmd, *extra, "--trace", str(trace)])
+    assert_refused(p, 2, "not a readable CSV trace")
+    assert str(trace) in p.stderr
+
+
+@pytest.mark.parametrize("cmd", [SIM, SWEEP])
+def test_base_plan_without_the_plans_model_is_one_line(tmp_path, cmd):
+    """A --base-plan lacking one of the plan's models was a KeyError traceback."""
+    d = json.loads(Path(PLAN).read_text())
+    d["models"][0]["model"] = "other"
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(d))
+    extra = ["--load-factor", "0.5"] if cmd is SIM else []
+    p = ppiped([*cmd, *extra, "--base-plan", str(base)])
+    assert_refused(p, 2, "--base-plan")
+    assert "'example'" in p.stderr.strip().splitlines()[-1]
+
+
+def test_sweep_reads_only_the_plans_profiles(tmp_path: Path) -> None:
+    """sweep loaded every file in --profiles and failed on a broken one that sim ignores."""
+    (tmp_path / "example.json").write_text((EXAMPLE / "example.json").read_text())
+    (tmp_path / "broken.json").write_text("{not json")
+    p = ppiped(["sweep", "--plan", PLAN, "--profiles", str(tmp_path), "--duration", "0.2", "--step", "0.5",
+                "--resolution", "0.25", "--max-factor", "1", "--json"], timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert 0 <= json.loads(p.stdout)["max_load_factor"] <= 1
+
+
+@pytest.mark.parametrize("cmd", [SIM, SWEEP])
+def test_a_model_without_pipelines_is_refused(tmp_path, cmd):
+    """sim ran a plan that check rejects: a model with no pipelines served nothing."""
+    d = json.loads(Path(PLAN).read_text())
+    d["models"][0]["pipelines"] = []
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps(d))
+    extra = ["--load-factor", "0.5"] if cmd is SIM else []
+    p = ppiped([cmd[0], "--plan", str(bad), *cmd[3:], *extra], timeout=300)
+    assert_refused(p, 2, "'example' has no pipelines")

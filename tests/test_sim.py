@@ -11,6 +11,7 @@ from conftest import MODELS_DIR, reference_plans
 
 from ppiped.cli import main
 from ppiped.cluster import Cluster, GpuType
+from ppiped.commands.sim import _finite
 from ppiped.plan import ModelPlan, Partition, Pipeline, Plan, PlanParams
 from ppiped.profiles import Profile
 from ppiped.sim import engine as E
@@ -307,3 +308,20 @@ def test_high_share_keeps_the_arrival_times():
     assert 0.25 < b.priority.mean() < 0.35
     with pytest.raises(Exception, match="share"):
         generate("poisson", [1.0], 1.0, seed=0, high_share=1.5)
+
+
+
+def test_a_run_without_decisions_prints_no_time_per_decision():
+    """0 decisions printed the whole wall time as µs per decision."""
+    res, _ = run(*tiny(), [])
+    assert res.counters["decisions"] == 0
+    assert "n/a wall per decision" in res.summary()
+    assert json.loads(json.dumps(_finite(res.to_json())))["speed"]["wall_us_per_decision"] is None
+
+
+def test_goodput_and_utilization_count_the_same_work():
+    """A request arriving 10 µs before the window's end and served 90 µs after it (100 µs of GPU
+    time) counted in goodput while utilization kept only its first 10 µs."""
+    res, _ = run(*tiny(), [990.0], duration_s=0.001)
+    assert res.models[0].goodput_rps == pytest.approx(1000.0)
+    assert res.utilization["A"] == pytest.approx(100.0 / 1000.0)

@@ -14,7 +14,7 @@ from ppiped.core.layout import Layout
 from ppiped.errors import InputError
 from ppiped.query.split import plan_apps
 from ppiped.sim import engine as E
-from ppiped.sim.dag import SYSTEMS, app_capacity_qps, app_workload, simulate_apps
+from ppiped.sim.dag import app_capacity_qps, app_workload, default_policy, simulate_apps
 from ppiped.sim.run import SimOptions, Simulation
 
 
@@ -28,7 +28,7 @@ def _run(plan, mode, lf, seed=0, duration=4.0, policy=None):
     lay = Layout.from_plan(plan, PROFILES)
     a = plan.apps[0]
     w = app_workload(plan, lay, {a.name: lf * app_capacity_qps(plan, a)}, duration, seed, mode)
-    pol = policy or dict(SYSTEMS.values())[mode]
+    pol = policy or default_policy(mode)
     sim = Simulation(plan, PROFILES, None, pol, seed, duration, SimOptions(), lay, dag=w)
     return sim, w, sim.run()
 
@@ -169,3 +169,52 @@ def test_sim_command_runs_a_plan_with_apps(plans, tmp_path, capsys):
     assert a["app"] == "q" and a["queries"] > 0
     assert cli([*base, "--rate", "100"]) == 2
     assert "--load-factor" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode, policy", [("split", "ppipe-early-drop"), ("e2e", "pard"), ("chain", "ppipe")])
+def test_each_deadline_mode_defaults_to_its_systems_policy(plans, mode, policy):
+    """e2e is PARD's: its default is pard, not the e2e-ppipe variant listed after it."""
+    assert simulate_apps(plans["chain"], PROFILES, 0.5, mode, duration_s=0.2).policy == policy
+
+
+def test_app_runs_take_every_world_flag(plans, monkeypatch, tmp_path, capsys):
+    """--start-early-us, --noise-z, --margin-quantile and --trace-scale were dropped for plans
+    with apps: the run got the defaults."""
+    from ppiped.cli import build_parser
+    from ppiped.commands import sim as cmd
+    from ppiped.sim import dag, run
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("app,func,end_timestamp,duration\n" + "".join(f"a,f,{i * 0.01:.2f},0\n" for i in range(50)))
+    seen = {}
+    real_sim, real_gen = run.Simulation.__init__, dag.generate
+
+    def sim_init(self, *a, **kw):
+        seen["options"] = a[6]
+        real_sim(self, *a, **kw)
+
+    def gen(*a):
+        seen["trace_scale"] = a[5]
+        return real_gen(*a)
+
+    monkeypatch.setattr(run.Simulation, "__init__", sim_init)
+    monkeypatch.setattr(dag, "generate", gen)
+    args = build_parser().parse_args(
+        ["sim", "--plan", "p", "--profiles", "d", "--load-factor", "0.5", "--duration", "0.2", "--trace", str(trace),
+         "--trace-scale", "fold", "--start-early-us", "0", "--noise-z", "2", "--margin-quantile", "0.5", "--json"])
+    assert cmd._run_apps(args, plans["chain"], PROFILES) == 0
+    assert seen["options"] == cmd.options_from(args)
+    assert (seen["options"].start_early_us, seen["options"].noise_z, seen["options"].margin_quantile) == (0, 2, 0.5)
+    assert seen["trace_scale"] == "fold"
+
+
+def test_sweep_refuses_a_plan_with_apps(plans, tmp_path):
+    """sweep loaded an app's stages as independent models at their planned rates."""
+    from conftest import assert_refused, run_cli
+
+    from ppiped.plan import save_plan
+
+    path = tmp_path / "app.json"
+    save_plan(plans["chain"], path)
+    p = run_cli(["ppiped.cli", "sweep", "--plan", str(path), "--profiles", str(tmp_path), "--duration", "0.2"])
+    assert_refused(p, "a plan with apps is not swept", 2, prefix="ppiped sweep: error: --plan")

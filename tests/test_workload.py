@@ -70,9 +70,9 @@ def test_azure_fold_overlays_windows_like_the_ppipe_artifact(tmp_path):
     t = azure_functions(f, rate, 10, np.random.default_rng(0), scale="fold")
     assert t[0] == 0.0 and np.all(np.diff(t) >= 0)
     assert len(t) / 10 == pytest.approx(rate, rel=0.05)
-    # the artifact's scaleTrace: x mod (span / k), sorted, replayed gap by gap from 0
-    span = starts[-1] - starts[0]
-    seg = span / (rate / ((len(starts) - 1) / span))
+    # the artifact's scaleTrace: x mod segment, sorted, replayed gap by gap from 0; a segment
+    # holds the trace's n arrivals at the rate asked
+    seg = len(starts) / rate
     ref = np.sort(starts % seg)
     ref = (ref - ref[0]) * 1e6
     n = min(len(ref), len(t))
@@ -83,3 +83,39 @@ def test_azure_fold_overlays_windows_like_the_ppipe_artifact(tmp_path):
     assert np.bincount(tr.model).tolist() == [len(t), len(azure_functions(f, rate / 2, 10, None, scale="fold"))]
     with pytest.raises(InputError, match="trace scaling"):
         azure_functions(f, rate, 10, np.random.default_rng(0), scale="squash")
+
+
+def _trace_file(path, starts):
+    with path.open("w") as fh:
+        fh.write("app,func,end_timestamp,duration\n")
+        for x in starts:
+            fh.write(f"a,f,{x:.6f},0\n")
+    return path
+
+
+@pytest.mark.parametrize("scale", ["fold", "stretch"])
+@pytest.mark.parametrize("rate", [10.0, 100.0, 3000.0])
+def test_trace_replays_the_rate_asked_below_and_above_its_own(tmp_path, scale, rate):
+    """fold below the trace's native rate (1000/s) replayed it at that rate, up to 9x the load
+    asked."""
+    f = _trace_file(tmp_path / "t.csv", np.arange(5000) / 1000.0 + np.random.default_rng(0).uniform(0, 5e-4, 5000))
+    t = azure_functions(f, rate, 20, np.random.default_rng(1), scale=scale)
+    assert len(t) / 20 == pytest.approx(rate, rel=0.02)
+
+
+@pytest.mark.parametrize("scale", ["fold", "stretch"])
+def test_a_tiny_trace_replays_the_rate_asked(tmp_path, scale):
+    """Three invocations: fold replayed 3/2 of the rate, stretch 3/4."""
+    f = _trace_file(tmp_path / "t.csv", [0.0, 1.0, 2.0])
+    t = azure_functions(f, 10.0, 30, np.random.default_rng(1), scale=scale)
+    assert abs(len(t) - 300) <= 3
+
+
+@pytest.mark.parametrize("cv", [0.5, 4.0, 20.0])
+def test_bursty_counts_rate_times_duration_for_any_cv(cv):
+    """Started afresh at 0, a Gamma renewal process adds about (cv^2 - 1) / 2 arrivals near 0
+    (cv 20 at 100/s for 1 s: 238 arrivals on average, not 100)."""
+    counts = [len(gamma_bursty(100.0, 1.0, np.random.default_rng(s), cv)) for s in range(3000)]
+    assert np.mean(counts) == pytest.approx(100.0, abs=15.0)
+    again = gamma_bursty(100.0, 1.0, np.random.default_rng(5), cv)
+    assert np.array_equal(again, gamma_bursty(100.0, 1.0, np.random.default_rng(5), cv))

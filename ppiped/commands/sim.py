@@ -81,7 +81,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="plans with apps: stage deadlines from the SLO split (Nexus; policy "
                         "ppipe-early-drop), the query's end-to-end budget (PARD; pard, the default) or "
                         "each stage's budget from its submission (hand-chained; ppipe)")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as one JSON object (goodput_rps and utilization count the requests "
+                        "that arrived within --duration, the drain after it included)")
     p.add_argument("--plot", metavar="FILE", type=output_file, help="write a per-vGPU timeline of batches (PNG)")
     p.add_argument("--plot-window", type=number(0), nargs=2, metavar=("FROM_MS", "TO_MS"),
                    help="timeline window in simulated ms (default: 200 ms from the middle of the run)")
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from ..cluster import load_cluster
     from ..plan import load_plan
     from ..profiles import load_profiles
-    from ..sim.run import base_rates, simulate, v4_sibling, weight_rates
+    from ..sim.run import rates_at_one, refuse_unservable, simulate, weight_rates
     from ..sim.workload import generate
 
     if args.plot_window and not args.plot_window[0] < args.plot_window[1]:
@@ -100,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
                          f"({args.plot_window[1]:g})")
     cluster = load_cluster(args.cluster) if args.cluster else None
     plan = load_plan(args.plan, cluster)
+    refuse_unservable(plan, args.plan)
     profiles = load_profiles(args.profiles, [m.model for m in plan.models])
     names = [m.model for m in plan.models]
     if plan.apps:
@@ -108,9 +111,7 @@ def run(args: argparse.Namespace) -> int:
         rates = weight_rates(plan, args.rate)
         how = f"--rate {args.rate:g} for --duration {args.duration:g} s"
     else:
-        base = Path(args.base_plan) if args.base_plan else v4_sibling(args.plan)
-        bplan = load_plan(base, cluster) if base.is_file() else plan
-        rates = args.load_factor * base_rates(bplan, names)
+        rates = args.load_factor * rates_at_one(args.plan, plan, args.base_plan, cluster)
         how = (f"--load-factor {args.load_factor:g} ({float(np.sum(rates)):.6g} req/s) for "
                f"--duration {args.duration:g} s")
     check_request_count(float(np.sum(rates)) * args.duration, how)
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_apps(args: argparse.Namespace, plan, profiles) -> int:
     """A plan with apps: each app at ``--load-factor`` × its planned query rate (plain models at
     theirs), its stages spawned as their parents finish."""
-    from ..sim.dag import SYSTEMS, simulate_apps
+    from ..sim.dag import default_policy, simulate_apps
     from ..sim.run import base_rates
 
     if args.load_factor is None:
@@ -156,11 +157,11 @@ def _run_apps(args: argparse.Namespace, plan, profiles) -> int:
                         f"over the apps' stages) for --duration {args.duration:g} s")
     if args.plot or args.high_share:
         raise InputError("--plot and --high-share are not supported for plans with apps yet")
-    policy = args.policy or dict(SYSTEMS.values())[args.app_deadlines]
+    policy = args.policy or default_policy(args.app_deadlines)
     args.policy = policy
     opt = options_from(args)
     res = simulate_apps(plan, profiles, args.load_factor, args.app_deadlines, policy, args.duration, args.seed,
-                        opt.sigma, args.trace, args.cv)
+                        opt.sigma, args.trace, args.cv, options=opt, trace_scale=args.trace_scale)
     if args.json:
         print(json.dumps(_finite(res.to_json())))
     else:

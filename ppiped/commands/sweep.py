@@ -35,16 +35,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-factor", type=LOAD_FACTOR, default=3.0,
                    help="largest load factor tried (default 3)")
     p.add_argument("--jobs", type=JOBS, default=1, help="worker processes, at most 256 (2: both cores)")
-    p.add_argument("--json", action="store_true", help="one JSON line per plan")
+    p.add_argument("--json", action="store_true", help="one JSON line per plan (points: [load factor, attainment] of the runs that ran "
+                        "to the end; stopped_early: load factors whose runs stopped once below --target)")
     p.add_argument("--plot", metavar="FILE", type=output_file,
                    help="attainment vs load factor per plan (PNG, PPipe Figure 7); runs every point to the end")
     p.set_defaults(func=run)
 
 
+def point_spec(args: argparse.Namespace, plan: str):
+    """One point of the sweep of ``plan``: the world ``sim`` runs with the same flags
+    (:func:`ppiped.commands.sim.options_from`), stopped once below --target unless plotting."""
+    from ..sim.run import PointSpec
+
+    opt = options_from(args)
+    return PointSpec(plan, str(args.profiles), args.trace, args.duration, args.seed, args.policy, opt.sigma,
+                     args.cv, opt.start_early_us, args.base_plan, None if args.plot else args.target,
+                     opt.nic_fifo, args.trace_scale, args.high_share, args.cluster, opt.margin_quantile,
+                     opt.noise_z)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..cluster import load_cluster
     from ..plan import load_plan
-    from ..sim.run import PointSpec, base_rates, v4_sibling
+    from ..sim.run import rates_at_one, refuse_unservable
     from ..sim.sweep import sweep
 
     opt = options_from(args)  # the flags' ranges: their argparse types
@@ -65,9 +78,12 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster) if args.cluster else None
     for path in args.plan:  # every plan read and sized before the first (long) sweep
         plan = load_plan(path, cluster)
+        if plan.apps:
+            raise InputError(f"--plan {path}: a plan with apps is not swept (its stages are not independent "
+                             "models); run ppiped sim --load-factor on it")
+        refuse_unservable(plan, path)
         names = [m.model for m in plan.models]
-        base = Path(args.base_plan) if args.base_plan else v4_sibling(path)
-        rates = base_rates(load_plan(base, cluster) if base.is_file() else plan, names)
+        rates = rates_at_one(path, plan, args.base_plan, cluster)
         top = args.max_factor * float(rates.sum())
         check_request_count(top * args.duration, f"{path}: --max-factor {args.max_factor:g} ({top:.6g} req/s) "
                             f"for --duration {args.duration:g} s")
@@ -78,10 +94,7 @@ def run(args: argparse.Namespace) -> int:
     curves = {}
     try:
         for path, plan, names, rates in plans:
-            spec = PointSpec(str(path), str(args.profiles), args.trace, args.duration, args.seed, args.policy,
-                             opt.sigma, args.cv, opt.start_early_us, args.base_plan,
-                             None if args.plot else args.target, trace_scale=args.trace_scale,
-                             high_share=args.high_share, cluster=args.cluster)
+            spec = point_spec(args, str(path))
             sr = sweep(spec, args.target, args.step, args.resolution, args.max_factor, pool, args.jobs,
                        args.start)
             lf = sr.max_load_factor
@@ -98,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
                     for i, (n, r) in enumerate(zip(names, rates, strict=True))
                 ],
                 "points": [[f, a] for f, a in sr.curve()],
+                "stopped_early": sorted(sr.stopped),
                 "dips": sr.dips(args.target),
             }
             if args.json:

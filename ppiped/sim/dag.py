@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from ..plan import Plan
 from ..query.app import MODES, App, planned_yield, stage_deadline_us
 from . import engine as E
 from .workload import generate
+
+if TYPE_CHECKING:
+    from .run import SimOptions
 
 
 @dataclass
@@ -72,9 +75,10 @@ class DagWorkload:
 
 def app_workload(plan: Plan, layout: Layout, app_rates: Mapping[str, float], duration_s: float,
                  seed: int, mode: str = "e2e", kind: str = "poisson", cv: float = 2.0,
-                 plain_rates: Mapping[str, float] | None = None) -> DagWorkload:
+                 plain_rates: Mapping[str, float] | None = None, trace_scale: str = "stretch") -> DagWorkload:
     """Queries of ``plan.apps`` at ``app_rates`` (queries/s per app name) and plain requests at
-    ``plain_rates`` (per model name), arrivals of ``kind``, deadlines by ``mode``."""
+    ``plain_rates`` (per model name), arrivals of ``kind`` (a trace file replayed per
+    ``trace_scale``), deadlines by ``mode``."""
     if mode not in MODES:
         raise InputError(f"unknown deadline mode {mode!r} (choose from {', '.join(MODES)})")
     apps = {a.name: a for a in plan.apps}
@@ -98,7 +102,7 @@ def app_workload(plan: Plan, layout: Layout, app_rates: Mapping[str, float], dur
             raise InputError(f"the plan has no model {name!r}")
         streams.append((-1, midx[name]))
         rates.append(float(r))
-    tr = generate(kind, rates, duration_s, seed, cv)
+    tr = generate(kind, rates, duration_s, seed, cv, trace_scale)
     n_roots = len(tr)
     rng = np.random.default_rng([seed, 0xDA6])
     stream = np.asarray(tr.model, dtype=np.int64)
@@ -291,6 +295,14 @@ SYSTEMS = {
 }
 
 
+def default_policy(mode: str) -> str:
+    """The policy of the system named after deadline ``mode`` (``e2e``: PARD's ``pard``), looked up
+    by name: several systems share a mode."""
+    if mode not in MODES:
+        raise InputError(f"unknown deadline mode {mode!r} (choose from {', '.join(MODES)})")
+    return SYSTEMS[mode][1]
+
+
 def app_capacity_qps(plan: Plan, app: App) -> float:
     """Queries/s the plan serves of ``app``: its slowest stage's throughput over its rate factor."""
     return min(plan.model(s.model).throughput_rps / app.rate_factor(i) for i, s in enumerate(app.stages))
@@ -298,11 +310,17 @@ def app_capacity_qps(plan: Plan, app: App) -> float:
 
 def simulate_apps(plan: Plan, profiles: Mapping[str, Any], load_factor: float, mode: str = "e2e",
                   policy: str | None = None, duration_s: float = 20.0, seed: int = 0, sigma: float = 0.05,
-                  kind: str = "poisson", cv: float = 2.0, layout: Layout | None = None):
+                  kind: str = "poisson", cv: float = 2.0, layout: Layout | None = None,
+                  options: SimOptions | None = None, trace_scale: str = "stretch"):
     """Every app of ``plan`` at ``load_factor`` × its planned query rate, plain models at theirs
     (as :func:`ppiped.sim.run.run_load_factor` loads them); deadlines by ``mode``, ``policy``
-    by default the mode's (:data:`SYSTEMS`)."""
+    by default the mode's (:data:`SYSTEMS`). ``options`` (a ``SimOptions``) sets the simulated
+    world as for :func:`ppiped.sim.run.simulate`, ``sigma`` overriding its jitter."""
     from .run import SimOptions, Simulation
+
+    opt = options or SimOptions()
+    if sigma != opt.sigma:
+        opt = replace(opt, sigma=sigma)
 
     if not plan.apps:
         raise InputError(f"{plan.source}: the plan has no apps")
@@ -310,9 +328,10 @@ def simulate_apps(plan: Plan, profiles: Mapping[str, Any], load_factor: float, m
     staged = {s.model for a in plan.apps for s in a.stages}
     w = app_workload(plan, lay, {a.name: load_factor * app_capacity_qps(plan, a) for a in plan.apps},
                      duration_s, seed, mode, kind, cv,
-                     {m.model: load_factor * m.throughput_rps for m in plan.models if m.model not in staged})
-    pol = policy or dict(SYSTEMS.values()).get(mode, "ppipe")
-    sim = Simulation(plan, dict(profiles), None, pol, seed, duration_s, SimOptions(sigma=sigma), lay, dag=w)
+                     {m.model: load_factor * m.throughput_rps for m in plan.models if m.model not in staged},
+                     trace_scale)
+    pol = policy or default_policy(mode)
+    sim = Simulation(plan, dict(profiles), None, pol, seed, duration_s, opt, lay, dag=w)
     res = sim.run()
     res.extra.update(load_factor=load_factor, trace=kind)
     return res

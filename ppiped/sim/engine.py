@@ -360,9 +360,8 @@ def _try_start(si, sf, now, v, v_head, v_run, v_timer, v_busy, j_next, bi, bhf, 
     bhf[b, k, HF_START] = now
     bhf[b, k, HF_END] = end
     lo = max(now, 0.0)
-    hi = min(end, sf[G_DURATION])
-    if hi > lo:
-        v_busy[v] += hi - lo
+    if end > lo:  # all of it, past the window too: the window's requests' work, as goodput counts them
+        v_busy[v] += end - lo
     ev_push(si, et, es, ex, end, EV_END, j)
 
 
@@ -415,10 +414,9 @@ def _transfer(si, sf, now, ask, up, down, dur, nic_s, nic_e, nic_n, nic_busy):
         _nic_insert(si, nic_s, nic_e, nic_n, up, s, s + dur)
         _nic_insert(si, nic_s, nic_e, nic_n, down, s, s + dur)
     lo = max(s, 0.0)
-    hi = min(s + dur, sf[G_DURATION])
-    if hi > lo:
-        nic_busy[up] += hi - lo
-        nic_busy[down] += hi - lo
+    if s + dur > lo:
+        nic_busy[up] += s + dur - lo
+        nic_busy[down] += s + dur - lo
     return s
 
 

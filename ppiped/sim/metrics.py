@@ -7,6 +7,7 @@ apart so that comparing two results' ``to_json(speed=False)`` tests determinism.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ class ModelResult:
     unfinished: int  # still pending when the run stopped early (0 for a full run)
     p50_ms: float  # latency of completed requests (late ones included)
     p99_ms: float
-    goodput_rps: float = 0.0  # completed within the SLO per simulated second
+    goodput_rps: float = 0.0  # arrived in the window and completed within the SLO, per window second
     invalid_rate: float = 0.0  # GPU time on requests that ended late or dropped after starting / all
 
     @property
@@ -49,7 +50,7 @@ class SimResult:
     seed: int
     jitter_sigma: float
     models: list[ModelResult]
-    utilization: dict[str, float]  # GPU type -> busy time / (vGPUs of that type x duration)
+    utilization: dict[str, float]  # GPU type -> busy time (drain included) / (vGPUs of that type x duration)
     counters: dict[str, int]
     stopped: bool = False  # the miss budget ran out: attainments are upper bounds below target
     speed: dict[str, float] = field(default_factory=dict)
@@ -133,8 +134,10 @@ class SimResult:
         lines.append(f"decisions {c['decisions']}  dispatches {c['dispatches']}  probes/dispatch {ppd:.2f}")
         if self.speed:
             s = self.speed
+            per = s["wall_us_per_decision"]
+            per = f"{per:.2f} µs" if math.isfinite(per) else "n/a"
             lines.append(f"sim wall {s['wall_s']:.3f} s  {s['requests_per_wall_s']:,.0f} simulated requests/s  "
-                         f"{s['wall_us_per_decision']:.2f} µs wall per decision (whole loop)")
+                         f"{per} wall per decision (whole loop)")
         return "\n".join(lines)
 
 
@@ -180,7 +183,9 @@ def model_results(names: list[str], rates: np.ndarray, arr_t: np.ndarray, arr_m:
 
 def utilization(gpu_types: list[str], v_gpu_type: np.ndarray, busy_us: np.ndarray,
                 duration_us: float) -> dict[str, float]:
-    """Temporal utilization per GPU type: inference busy time / (vGPUs of the type x duration)."""
+    """Temporal utilization per GPU type: inference busy time / (vGPUs of the type x duration).
+    The busy time is all the run's, past the arrival window too, as goodput counts every request
+    that arrived in it: both measure the window's requests, so an overloaded run may pass 1."""
     out = {}
     for t, name in enumerate(gpu_types):
         sel = v_gpu_type == t

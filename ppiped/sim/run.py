@@ -23,6 +23,7 @@ from ..profiles import Profile
 from . import engine as E
 from .dag import DagWorkload, app_results
 from .metrics import SimResult, model_results, utilization
+from .sweep import Outcome
 from .workload import Trace, generate
 
 DEFAULT_SIGMA = 0.05  # lognormal log-sd of executor latency: ~5% spread around the profile
@@ -240,9 +241,9 @@ class Simulation:
                                self.r_gpu, self.duration_s, spawned, dl)
         util = utilization(lay.gpu_types, lay.v_gpu_type, self.v_busy, self.duration_s * 1e6)
         n = len(self.arr_t)
-        dec = max(1, counters["decisions"])
+        dec = counters["decisions"]
         speed = {"wall_s": self.wall_s, "requests_per_wall_s": n / self.wall_s if self.wall_s > 0 else 0.0,
-                 "wall_us_per_decision": 1e6 * self.wall_s / dec}
+                 "wall_us_per_decision": 1e6 * self.wall_s / dec if dec else math.nan}
         tl = []
         n_tl = min(int(self.si[E.I_TL_N]), self.tl_i.shape[0])
         for i in range(n_tl):
@@ -325,6 +326,34 @@ def v4_sibling(path: str | Path) -> Path:
     return p
 
 
+def refuse_unservable(plan: Plan, path: str | Path) -> None:
+    """A model with no pipelines serves nothing of its planned throughput (``ppiped check``:
+    throughput-inflated); simulating it would report a plan that cannot run."""
+    from ..errors import InputError
+
+    for m in plan.models:
+        if not m.pipelines:
+            raise InputError(f"--plan {path}: model {m.model!r} has no pipelines, so none of its "
+                             f"{m.throughput_rps:g} req/s can be served (ppiped check: throughput-inflated)")
+
+
+def rates_at_one(plan_path: str | Path, plan: Plan, base_plan: str | Path | None = None,
+                 cluster=None) -> np.ndarray:
+    """Per-model rates (``plan``'s order) at load factor 1.0: the throughput of each model in
+    ``base_plan``, by default the ``_v4`` sibling of a reference plan, else ``plan`` itself
+    (``cluster``: a loaded cluster spec for reference plans)."""
+    from ..errors import InputError
+
+    base = Path(base_plan) if base_plan else v4_sibling(plan_path)
+    bplan = load_plan(base, cluster) if base.is_file() and str(base) != str(plan_path) else plan
+    have = {m.model for m in bplan.models}
+    missing = [m.model for m in plan.models if m.model not in have]
+    if missing:
+        raise InputError(f"--base-plan {base}: has no model {missing[0]!r} of {Path(plan_path).name}, whose "
+                         "throughput there is its load factor 1.0")
+    return base_rates(bplan, [m.model for m in plan.models])
+
+
 def load_factor_trace(plan: Plan, rates_at_1: np.ndarray, load_factor: float, kind: str,
                       duration_s: float, seed: int, cv: float = 2.0, trace_scale: str = "stretch") -> Trace:
     return generate(kind, list(load_factor * rates_at_1), duration_s, seed, cv, trace_scale)
@@ -347,9 +376,7 @@ def run_load_factor(plan_path: str | Path, profiles: dict[str, Profile], load_fa
     if key not in cache:
         cl = load_cluster(cluster) if cluster else None
         plan = load_plan(plan_path, cl)
-        base = base_plan or v4_sibling(plan_path)
-        bplan = load_plan(base, cl) if Path(base).is_file() and str(base) != str(plan_path) else plan
-        rates = base_rates(bplan, [m.model for m in plan.models])
+        rates = rates_at_one(plan_path, plan, base_plan, cl)
         cache[key] = (plan, rates, Layout.from_plan(plan, profiles))
     plan, rates, lay = cache[key]
     trace = generate(kind, list(load_factor * rates), duration_s, seed, cv, trace_scale, high_share)
@@ -363,14 +390,21 @@ def run_load_factor(plan_path: str | Path, profiles: dict[str, Profile], load_fa
 
 _PROFILES: dict[str, dict[str, Profile]] = {}
 _PLANS: dict = {}
+_MODELS: dict[tuple[str, str | None], list[str]] = {}
 
 
-def _profiles(directory: str) -> dict[str, Profile]:
+def _profiles(directory: str, plan: str, cluster: str | None) -> dict[str, Profile]:
+    """The profiles of ``plan``'s models only, as ``sim`` reads them: another file in the folder
+    is not this plan's concern."""
     from ..profiles import load_profiles
 
-    if directory not in _PROFILES:
-        _PROFILES[directory] = load_profiles(directory)
-    return _PROFILES[directory]
+    if (plan, cluster) not in _MODELS:
+        _MODELS[plan, cluster] = [m.model for m in load_plan(plan, load_cluster(cluster) if cluster else None).models]
+    have = _PROFILES.setdefault(directory, {})
+    missing = [n for n in _MODELS[plan, cluster] if n not in have]
+    if missing:
+        have.update(load_profiles(directory, missing))
+    return have
 
 
 @dataclass(frozen=True)
@@ -378,8 +412,8 @@ class PointSpec:
     """Everything one sweep point needs, picklable so that worker processes can run it.
 
     Calling it with a load factor runs the simulation (profiles and plans are cached per
-    process) and returns the min-over-models attainment; :meth:`result` returns the whole
-    :class:`SimResult`.
+    process) and returns the min-over-models attainment, marked incomplete for a run stopped below
+    the target; :meth:`result` returns the whole :class:`SimResult`.
     """
 
     plan: str
@@ -397,15 +431,23 @@ class PointSpec:
     trace_scale: str = "stretch"  # trace files: stretch or fold (see workload.azure_functions)
     high_share: float = 0.0  # share of requests in the high priority class
     cluster: str | None = None  # cluster spec for reference plans (default: from their names)
+    margin_quantile: float = 0.9
+    noise_z: float = 0.0
+
+    def sim_options(self, stop: bool = True, timeline_us: tuple[float, float] | None = None) -> SimOptions:
+        """The options of one run: the fields above, the early stop only when ``stop``."""
+        return SimOptions(sigma=self.sigma, start_early_us=self.start_early_us,
+                          stop_below=self.stop_below if stop else None, timeline_us=timeline_us,
+                          nic_fifo=self.nic_fifo, margin_quantile=self.margin_quantile, noise_z=self.noise_z)
 
     def result(self, load_factor: float, stop: bool = True, timeline_us: tuple[float, float] | None = None
                ) -> SimResult:
-        opt = SimOptions(sigma=self.sigma, start_early_us=self.start_early_us,
-                         stop_below=self.stop_below if stop else None, timeline_us=timeline_us,
-                         nic_fifo=self.nic_fifo)
-        return run_load_factor(self.plan, _profiles(self.profiles), load_factor, self.trace, self.duration_s,
+        opt = self.sim_options(stop, timeline_us)
+        profiles = _profiles(self.profiles, self.plan, self.cluster)
+        return run_load_factor(self.plan, profiles, load_factor, self.trace, self.duration_s,
                                self.seed, self.policy, self.sigma, self.cv, self.base_plan, opt, _PLANS,
                                self.trace_scale, self.high_share, self.cluster)
 
-    def __call__(self, load_factor: float) -> float:
-        return self.result(load_factor).min_attainment
+    def __call__(self, load_factor: float) -> Outcome:
+        res = self.result(load_factor)
+        return Outcome(res.min_attainment, not res.stopped)

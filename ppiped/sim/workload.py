@@ -42,13 +42,20 @@ class Trace:
         return Trace(self.times_us, self.model, (rng.random(len(self.times_us)) < share).astype(np.int64))
 
 
-def _renewal(gaps_fn, rate_rps: float, duration_s: float, rng: np.random.Generator) -> np.ndarray:
-    """Draw inter-arrival gaps in chunks until the horizon is covered; independent of chunking."""
+def _renewal(gaps_fn, rate_rps: float, duration_s: float, rng: np.random.Generator,
+             first_fn=None) -> np.ndarray:
+    """Draw inter-arrival gaps in chunks until the horizon is covered; independent of chunking.
+    ``first_fn()``: the first arrival (default: one gap after 0)."""
     if rate_rps <= 0 or duration_s <= 0:
         return np.empty(0)
     horizon = duration_s * 1e6
     n = int(rate_rps * duration_s * 1.1) + 64
     parts, t0 = [], 0.0
+    if first_fn is not None:
+        t0 = float(first_fn())
+        parts.append(np.array([t0]))
+        if t0 >= horizon:
+            return np.empty(0)
     while True:
         t = t0 + np.cumsum(gaps_fn(n))
         parts.append(t)
@@ -66,14 +73,18 @@ def poisson(rate_rps: float, duration_s: float, rng: np.random.Generator) -> np.
 def gamma_bursty(rate_rps: float, duration_s: float, rng: np.random.Generator, cv: float = 2.0) -> np.ndarray:
     """Gamma renewal process: mean rate ``rate_rps``, coefficient of variation ``cv`` of the gaps.
 
-    cv = 1 is Poisson; cv = 4 (the default, as in the bursty workloads of the PPipe and Nexus
-    evaluations) packs arrivals into bursts separated by long quiet gaps.
+    cv = 1 is Poisson; cv = 4 (as in the bursty workloads of the PPipe and Nexus
+    evaluations) packs arrivals into bursts separated by long quiet gaps. The process is observed
+    in equilibrium: the first arrival is drawn from the forward-recurrence time (``U · Gamma(k+1,
+    θ)`` for ``Gamma(k, θ)`` gaps), so the expected count is ``rate_rps · duration_s`` for any cv
+    (started afresh at 0, a burst at t = 0 adds about (cv² - 1) / 2 arrivals).
     """
     if cv <= 0:
         raise InputError(f"bursty trace: coefficient of variation must be > 0, got {cv}")
     shape = 1.0 / (cv * cv)
     scale = 1e6 / (rate_rps * shape) if rate_rps > 0 else 1.0
-    return _renewal(lambda n: rng.gamma(shape, scale, n), rate_rps, duration_s, rng)
+    return _renewal(lambda n: rng.gamma(shape, scale, n), rate_rps, duration_s, rng,
+                    lambda: rng.random() * rng.gamma(shape + 1.0, scale))
 
 
 TRACE_SCALES = ("stretch", "fold")
@@ -86,20 +97,49 @@ def azure_functions(path: str | Path, rate_rps: float, duration_s: float,
     The file has columns ``app, func, end_timestamp, duration`` (seconds); an invocation arrives
     at ``end_timestamp - duration``. Two ways to reach the rate:
 
-    * ``stretch``: the time axis is compressed so that the whole trace's mean rate is
-      ``rate_rps``; its own burstiness is kept. A trace shorter than the horizon repeats, from a
-      random phase (so seeds differ).
+    A trace of ``n`` invocations over ``span`` seconds is taken as one period of ``n`` arrivals,
+    ``span · n / (n - 1)`` long (the span and one mean gap), so both ways replay exactly
+    ``rate_rps`` on average however short the trace:
+
+    * ``stretch``: the time axis is scaled so that the period is ``n / rate_rps``; the trace's
+      own burstiness is kept. The period repeats, from a random phase (so seeds differ).
     * ``fold``: what the PPipe artifact does for its bursty ("MAF21") runs
       (``cluster-sim/.../TraceRequestGenerator.java``, ``scaleTrace``): with ``k`` = rate_rps /
-      the trace's native rate, the trace is cut into ``k`` segments of ``span / k`` seconds that
-      are overlaid (arrival ``x`` goes to ``x mod (span / k)``), and the overlay is replayed from
-      its first arrival (gaps in order; the segment repeats). Overlaying many windows of the
-      trace smooths it a lot; the artifact uses no randomness here, so neither does this.
+      the trace's native rate, the trace is cut into ``k`` segments of ``n / rate_rps`` seconds
+      that are overlaid (arrival ``x`` goes to ``x mod segment``), and the overlay is replayed
+      from its first arrival (gaps in order; the segment repeats). Overlaying many windows of the
+      trace smooths it a lot; the artifact uses no randomness here, so neither does this. Below
+      the native rate (``k`` < 1) there is less than one window to overlay: the trace is
+      stretched to fill the segment, as ``stretch`` does without its random phase.
     """
     if scale not in TRACE_SCALES:
         raise InputError(f"trace scaling must be one of {', '.join(TRACE_SCALES)}, got {scale!r}")
     path = Path(path)
-    reader = csv.DictReader(io.StringIO(read_text(path, InputError), newline=""))
+    try:
+        starts = _trace_starts(path, csv.DictReader(io.StringIO(read_text(path, InputError), newline="")))
+    except csv.Error as e:  # a field past the csv module's limit, a NUL byte
+        raise InputError(f"{path}: not a readable CSV trace: {e}") from None
+    if len(starts) < 2:
+        raise InputError(f"{path}: trace has fewer than 2 invocations")
+    if scale == "fold":
+        return _fold(np.asarray(starts, dtype=np.float64), rate_rps, duration_s, path)
+    t = np.sort(np.asarray(starts))
+    t -= t[0]
+    span = t[-1]
+    if span <= 0:
+        raise InputError(f"{path}: all invocations arrive at the same instant")
+    # n - 1 gaps cover the span, one more closes the period: n arrivals per n / rate_rps
+    t_us = t * ((len(t) - 1) / rate_rps / span) * 1e6
+    period = t_us[-1] + 1e6 / rate_rps
+    horizon = duration_s * 1e6
+    reps = int(np.ceil(horizon / period))
+    out = np.concatenate([t_us + k * period for k in range(reps)])
+    # Random phase so different seeds see different windows of the trace.
+    out = np.sort((out + rng.uniform(0, period)) % (reps * period))
+    return out[out < horizon]
+
+
+def _trace_starts(path: Path, reader: csv.DictReader) -> list[float]:
     missing = {"end_timestamp", "duration"} - set(reader.fieldnames or [])
     if missing:
         raise InputError(f"{path}: Azure trace needs columns app, func, end_timestamp, "
@@ -113,34 +153,20 @@ def azure_functions(path: str | Path, rate_rps: float, duration_s: float,
         if not math.isfinite(start):
             raise InputError(f"{path}:{i}: end_timestamp/duration must be finite numbers")
         starts.append(start)
-    if len(starts) < 2:
-        raise InputError(f"{path}: trace has fewer than 2 invocations")
-    if scale == "fold":
-        return _fold(np.asarray(starts, dtype=np.float64), rate_rps, duration_s, path)
-    t = np.sort(np.asarray(starts))
-    t -= t[0]
-    span = t[-1]
-    if span <= 0:
-        raise InputError(f"{path}: all invocations arrive at the same instant")
-    # Stretch so that len(t) arrivals cover the span at rate_rps.
-    t_us = t * (len(t) / rate_rps / span) * 1e6
-    period = t_us[-1] + 1e6 / rate_rps
-    horizon = duration_s * 1e6
-    reps = int(np.ceil(horizon / period))
-    out = np.concatenate([t_us + k * period for k in range(reps)])
-    # Random phase so different seeds see different windows of the trace.
-    out = np.sort((out + rng.uniform(0, period)) % (reps * period))
-    return out[out < horizon]
+    return starts
 
 
 def _fold(starts: np.ndarray, rate_rps: float, duration_s: float, path: Path) -> np.ndarray:
     """The PPipe artifact's ``scaleTrace`` + replay (see :func:`azure_functions`)."""
     t = np.sort(starts)
-    span = t[-1] - t[0]
+    t -= t[0]
+    n, span = len(t), t[-1]
     if span <= 0:
         raise InputError(f"{path}: all invocations arrive at the same instant")
-    native = (len(t) - 1) / span
-    segment = span / (rate_rps / native)
+    period = span * n / (n - 1)  # the trace's own: n arrivals at its native rate
+    segment = n / rate_rps  # n arrivals at the rate asked
+    if segment > period:  # less than one window to overlay: stretch it over the segment
+        t = t * (segment / period)
     folded = np.sort(t % segment)
     # the gaps in order; when the overlay is used up it starts again one segment later (the
     # artifact cycles the gaps without this last one, but its runs never get that far)
