@@ -203,8 +203,12 @@ class Peers(Message):
 
 
 class Heartbeat(Message):
+    """E→S. ``unreachable`` (optional, trailing): next-hop vGPUs the executor gave up forwarding
+    to since its last heartbeat (no endpoint in its directory, or no connection)."""
+
     clock_us: Clock
     queued: UInt
+    unreachable: UInts = []
 
 
 Tag = Annotated[bytes, msgspec.Meta(max_length=64)]
@@ -504,8 +508,8 @@ def peers(directory: dict[int, str]) -> bytes:
     return _pack([VERSION, _t.PEERS, flat])
 
 
-def heartbeat(clock_us: int, queued: int) -> bytes:
-    return _pack([VERSION, _t.HEARTBEAT, clock_us, queued])
+def heartbeat(clock_us: int, queued: int, unreachable: Sequence[int] = ()) -> bytes:
+    return _pack([VERSION, _t.HEARTBEAT, clock_us, queued, list(unreachable)])
 
 
 def dispatch(batch: int, path: Sequence[int], starts: Sequence[int], ids: Sequence[int],

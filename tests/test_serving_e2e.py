@@ -389,3 +389,44 @@ def test_serve_refuses_a_config_at_odds_with_itself_or_the_plan(workdir, extra, 
     r = subprocess.run([sys.executable, "-m", "ppiped.cli", "serve", "--config", str(cfg)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_replan_brings_a_standby_executor_into_service_and_requests_pass_through_it(workdir):
+    """An executor registered while its vGPUs were beyond the plan (standby) learns no data
+    endpoints, and the others never heard of it; a replan to a plan that has its vGPUs must give
+    every executor the new directory, or every batch crossing to or from it is lost."""
+    import json
+
+    from ppiped import ctl
+
+    c = make_cluster(workdir, "grow", extra="[models.tiny]\ninput_bytes = 0\n")
+    try:
+        c.start()
+        c.groups.append([4, 5])
+        c.executors.append(c._start_executor(2))
+        wait_status(c, lambda s: any(e["vgpus"] == "4-5" for e in s["executors"]))
+        plan6 = c.config.parent / "plan6.json"
+        plan6.write_text(json.dumps(tiny.plan_json(tiny.profile_json(), vgpus=(3, 3))))
+        rp = ctl.call(str(c.config.parent / "admin.sock"),
+                      {"cmd": "replan", "plan_file": str(plan6), "wait": True}, 60)
+        assert rp["ok"] and rp["vgpus"] == 6, rp
+        st = wait_status(c, lambda s: s["vgpus"]["alive"] == 6, timeout_s=30)
+        assert st["vgpus"]["alive"] == 6, st["vgpus"]
+
+        async def drive():
+            async with AsyncClient(c.client_endpoint, timeout_s=30) as cl:
+                return await asyncio.gather(*[cl.submit("tiny", b"g%d" % i, slo_ms=5000) for i in range(120)],
+                                            return_exceptions=True)
+
+        outs = asyncio.run(drive())
+        bad = [o for o in outs if isinstance(o, BaseException)]
+        assert not bad, bad[:5]
+        assert [o.data for o in outs] == [b"g%d" % i for i in range(120)]
+        st = c.status()
+        assert st["busy_us"][4] + st["busy_us"][5] > 0, st["busy_us"]  # the new vGPUs served
+        assert not st["counters"].get("peer_unreachable"), st["counters"]
+    except BaseException:
+        show_logs(c)
+        raise
+    finally:
+        c.stop()

@@ -23,7 +23,8 @@ from ppiped.wire import ProtocolError, T
 # s: string, b: bytes, U: list of unsigned ints, I: list of ints, l: list, d: map, a: anything
 # (WELCOME.data_key and DISPATCH/FORWARD.tags came later, as optional trailing fields, B: a list of
 # byte strings of at most 64 bytes (hop tags); c: an executor's
-# clock, 0 <= x < 2^62 µs, came later too: a clock near 2^64 overflowed the DISPATCHes built on it)
+# clock, 0 <= x < 2^62 µs, came later too: a clock near 2^64 overflowed the DISPATCHes built on it;
+# HEARTBEAT.unreachable came later, optional and trailing: next hops an executor could not reach)
 OLD_SCHEMA = {
     T.SUBMIT: "model:s slo_us:u ids:U priority:u sent_us:u",
     T.REPLY: "ids:U status:u reason:s meta:a",
@@ -35,7 +36,7 @@ OLD_SCHEMA = {
     T.REGISTER: "vgpus:U data_endpoint:s backend:s pid:u clock_us:c incarnation:u",
     T.WELCOME: "assignments:l heartbeat_ms:u data_key:b",
     T.PEERS: "directory:l",
-    T.HEARTBEAT: "clock_us:c queued:u",
+    T.HEARTBEAT: "clock_us:c queued:u unreachable:U",
     T.DISPATCH: "batch:u path:U starts:I ids:U tags:B",
     T.FORWARD: "batch:u path:U starts:I hop:u ids:U meta:a tags:B",
     T.RESULT: "batch:u ids:U meta:a failed:l feedback:I",
@@ -47,7 +48,8 @@ OLD_SCHEMA = {
     T.PRELOADED: "prep:u load_us:u error:s",
 }
 # trailing fields that may be left out, with the values they then take
-OLD_OPTIONAL = {T.SUBMIT: (0, 0), T.QUERY: (0, 0, 0), T.WELCOME: (b"",), T.DISPATCH: ([],), T.FORWARD: ([],)}
+OLD_OPTIONAL = {T.SUBMIT: (0, 0), T.QUERY: (0, 0, 0), T.WELCOME: (b"",), T.DISPATCH: ([],), T.FORWARD: ([],),
+                T.HEARTBEAT: ([],)}
 FIELDS = {t: [f.split(":") for f in spec.split()] for t, spec in OLD_SCHEMA.items()}
 
 _OK = {

@@ -142,6 +142,9 @@ def render(srv: Server) -> str:
     head("ppiped_vgpus_alive", "gauge", "vGPUs whose executor is ready.")
     alive = sum(1 for v in range(srv.nv) if (e := srv.vgpu_exec[v]) is not None and e.ready)
     lines.append(f"ppiped_vgpus_alive {alive}")
+    head("ppiped_peer_unreachable_total", "counter",
+         "Batches an executor could not forward to their next vGPU (no endpoint or no connection).")
+    lines.append(f"ppiped_peer_unreachable_total {srv.counters.get('peer_unreachable', 0)}")
     head("ppiped_reservation_error_seconds", "summary", "|actual - reserved| end of each batch's last hop.")
     lines.append(f"ppiped_reservation_error_seconds_sum {m.res_err_sum_s:.9g}")
     lines.append(f"ppiped_reservation_error_seconds_count {m.res_err_n}")

@@ -202,7 +202,8 @@ class Batch:
 
 class ExecState:
     __slots__ = ("ident", "vgpus", "endpoint", "backend", "pid", "incarnation", "last_seen", "offsets",
-                 "offset", "ready", "rewelcome", "key", "overdue", "overdue_since", "queued")
+                 "offset", "ready", "rewelcome", "key", "overdue", "overdue_since", "queued", "unreachable",
+                 "unreachable_at")
 
     def __init__(self, ident: bytes, vgpus: list[int], endpoint: str, backend: str, pid: int,
                  incarnation: int) -> None:
@@ -217,6 +218,8 @@ class ExecState:
         self.overdue = 0  # batches charged to it (Server._blame_overdue) since one came through
         self.overdue_since = 0  # when the first of them was charged (µs)
         self.queued = 0  # batches it held at its last heartbeat (its own word)
+        self.unreachable: list[int] = []  # next hops it last said it could not reach, and when (µs)
+        self.unreachable_at = 0
 
     def clock_sample(self, exec_clock: int, t: int) -> None:
         self.offsets.append(exec_clock - t)
@@ -1231,6 +1234,8 @@ class Server:
                 ex.last_seen = t
                 ex.queued = h.queued
                 ex.clock_sample(h.clock_us, t)
+                if h.unreachable:
+                    self._peer_unreachable(ex, h.unreachable, t)
                 if not ex.ready and not ex.rewelcome:
                     self.ready(ex)
             elif kind == T.REGISTER:
@@ -1318,6 +1323,9 @@ class Server:
             # again (with the assignment in force); its next heartbeat comes after loading it
             old.rewelcome = False
             self._welcome(ident, vgpus)
+            # and the directory: this executor may have been on standby, which learns none, and
+            # the plan it registers for may have moved other vGPUs to other executors
+            self._send_peers(only=old)
             return
         if old is not None:
             self.remove_executor(old, "re-registered")
@@ -1366,16 +1374,36 @@ class Server:
         """vGPUs of the plan in force whose executor is ready."""
         return sum(1 for e in self.vgpu_exec if e is not None and e.ready)
 
-    def _send_peers(self) -> None:
-        """The data endpoints of the plan's vGPUs, to the executors serving some of them. Why not
-        standby ids too: they carry no batches, and any local process may register one; each
-        registration broadcast to every peer made the daemon's memory grow with the cube of the
-        connections (and a directory of thousands of ids exceeded the executors' header limit)."""
+    def _send_peers(self, only: ExecState | None = None) -> None:
+        """The data endpoints of the plan's vGPUs, to the executors serving some of them (or to
+        ``only``). Sent on every change of the directory or of who serves the plan: a
+        registration, a removal, a plan switch (an executor on standby learns none until then).
+        Why not standby ids too: they carry no batches, and any local process may register one;
+        each registration broadcast to every peer made the daemon's memory grow with the cube of
+        the connections (and a directory of thousands of ids exceeded the executors' header limit)."""
         directory = {v: e.endpoint for e in self.execs.values() for v in e.vgpus if v < self.nv}
         msg = wire.peers(directory)
-        for e in list(self.execs.values()):
+        for e in [only] if only is not None else list(self.execs.values()):
             if any(v < self.nv for v in e.vgpus):
                 self._send_exec(e.ident, msg)
+
+    def _peer_unreachable(self, ex: ExecState, vgpus: list[int], t: int) -> None:
+        """``ex`` gave up forwarding batches to ``vgpus`` (its heartbeat says): a directory it
+        lacks or a peer it cannot connect to. Not silent: counted, logged, shown in status (and
+        ``ppiped-ctl executors``); the directory is sent to it again, which mends a stale one."""
+        vs = sorted({v for v in vgpus[:MAX_VGPUS_PER_EXEC] if v < MAX_VGPU_ID})
+        self.counters["peer_unreachable"] += len(vs)
+        ex.unreachable, ex.unreachable_at = vs, t
+        self.warn_limited("peer-unreachable", pid=ex.pid, vgpus=format_ranges(ex.vgpus),
+                          unreachable=format_ranges(vs),
+                          known=format_ranges([v for v in vs if v < self.nv and self.vgpu_exec[v] is not None]))
+        self._send_peers(only=ex)
+
+    def unreachable_peers(self, ex: ExecState, t: int) -> str:
+        """The next hops ``ex`` reported unreachable within the last heartbeat timeout ('' if none)."""
+        if ex.unreachable and t - ex.unreachable_at <= self.cfg.heartbeat_timeout_ms * 1000:
+            return format_ranges(ex.unreachable)
+        return ""
 
     def ready(self, ex: ExecState) -> None:
         ex.ready = True
@@ -1776,7 +1804,8 @@ class Server:
             "policy": self.core.policy.name, "models": models, "gpu_classes": classes,
             "executors": [{"vgpus": format_ranges(e.vgpus), "pid": e.pid, "backend": e.backend, "ready": e.ready,
                            "endpoint": e.endpoint, "silent_ms": (t - e.last_seen) / 1000,
-                           "clock_offset_us": e.offset} for e in self.execs.values()],
+                           "clock_offset_us": e.offset, "unreachable_peers": self.unreachable_peers(e, t)}
+                          for e in self.execs.values()],
             "vgpus": {"total": self.nv, "alive": sum(c["alive"] for c in classes.values()),
                       "missing": format_ranges([v for v in range(self.nv) if self.vgpu_exec[v] is None])},
             "busy_us": list(self.busy_us),
