@@ -427,6 +427,58 @@ def test_curve_a_reply_never_reaches_another_client_on_the_same_identity(curve_c
     assert not any(wire.decode(m[0]).type == T.REPLY for m in got), got
 
 
+def test_without_curve_a_reply_never_reaches_another_client_on_the_same_identity(cluster):
+    """No CURVE (ipc): client A submits under the ROUTER identity b"cam" while the executors are
+    stopped, and closes its socket; client B connects under the same identity and submits the
+    same request ids. B gets exactly its own replies, never A's results."""
+    import signal
+
+    c, _ = cluster
+    ctx = zmq.Context()
+
+    def client() -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTING_ID, b"cam")
+        s.connect(c.client_endpoint)
+        return s
+
+    n = 20
+    ids = list(range(1, n + 1))
+    before = c.status()["models"]["tiny"]["accepted"]
+    for p in c.executors:
+        os.kill(p.pid, signal.SIGSTOP)
+    try:
+        a = client()
+        a.send_multipart([wire.submit("tiny", 20_000_000, ids), *[b"A%d" % i for i in ids]])
+        deadline = time.monotonic() + 10
+        while c.status()["models"]["tiny"]["accepted"] < before + n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        a.close(0)
+        time.sleep(0.3)  # the daemon hears of the disconnect
+        b = client()
+        b.send_multipart([wire.submit("tiny", 20_000_000, ids), *[b"B%d" % i for i in ids]])
+        deadline = time.monotonic() + 10
+        while c.status()["models"]["tiny"]["accepted"] < before + 2 * n and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for p in c.executors:
+            os.kill(p.pid, signal.SIGCONT)
+    got: dict[int, list] = {}
+    end = time.monotonic() + 20
+    while time.monotonic() < end and (len(got) < n or b.poll(300)):
+        if not b.poll(200):
+            continue
+        m = b.recv_multipart()
+        h = wire.decode(m[0])
+        if h.type == T.REPLY:
+            for i, rid in enumerate(h.ids):
+                got.setdefault(rid, []).append(bytes(m[1 + i]) if h.status == Status.OK else h.reason)
+    ctx.destroy(0)
+    assert got == {i: [b"B%d" % i] for i in ids}, got
+    assert c.status()["counters"]["replies_to_closed_connections"] >= n
+
+
 async def test_daemon_restart_ends_every_pending_request_explicitly():
     with short_tmpdir("ppiped-restart-") as d, tiny_cluster(Path(d), ((0, 1, 2, 3),)) as c:
         async with AsyncClient(c.client_endpoint, timeout_s=30) as ac:

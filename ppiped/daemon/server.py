@@ -330,10 +330,11 @@ class Server:
         self.reqs: dict[int, Req] = {}  # queued in the core
         self.peers: dict[bytes, Peer] = {}  # client connections by ROUTER identity
         self.quarantined: dict[int, tuple[int, int]] = {}  # vGPU -> (refused until µs, times held)
-        # CURVE: a client chooses its ROUTER identity, so another client (another key) may take
-        # it once the first disconnects. Each identity's connection has a generation, bumped
-        # when its connection closes or another one speaks under it; a request keeps the one it
-        # came on, and its reply is sent only while that one holds (``connection_holds``).
+        # A client chooses its ROUTER identity, so another client may take it once the first
+        # disconnects (with or without CURVE, on any transport). Each identity's connection has a
+        # generation, bumped when its connection closes or another one speaks under it; a request
+        # keeps the one it came on, and its reply is sent only while that one holds
+        # (``connection_holds``).
         self.ident_gen: dict[bytes, int] = {}
         self.ident_fd: dict[bytes, int] = {}
         self.fd_ident: dict[int, bytes] = {}
@@ -513,10 +514,11 @@ class Server:
         # reaches a TCP ctl endpoint may send one) gets at most CTL_DUTY of the loop
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl, budget_us=CTL_SLICE_US,
                                  pace_after_us=CTL_SLICE_US, duty=CTL_DUTY)
-        self.readers = [self.client_reader, self.exe_reader, self.ctl_reader]
-        if cfg.security.curve:  # client identities are chosen by clients: watch who goes (see ident_gen)
-            self.client_events = self.client.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            self.readers.append(Reader(self.loop, self.client_events, self.on_client_event))
+        # client identities are chosen by clients: watch who goes (see ident_gen); with or without
+        # CURVE, since a plain client may set any ROUTING_ID too
+        self.client_events = self.client.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.readers = [self.client_reader, self.exe_reader, self.ctl_reader,
+                        Reader(self.loop, self.client_events, self.on_client_event)]
         try:
             await self._start_ops()
         except ConfigError:
@@ -866,7 +868,7 @@ class Server:
         return p
 
     def _track_connection(self, ident: bytes, frame: Any) -> None:
-        """CURVE: note the connection (its socket FD) ``ident`` speaks on; another one than
+        """Note the connection (its socket FD) ``ident`` speaks on; another one than
         before means another client took the identity, and replies due to the first are void."""
         try:
             fd = frame.get(zmq.SRCFD)
@@ -883,7 +885,7 @@ class Server:
         self.fd_ident[fd] = ident
 
     def on_client_event(self, msg: list) -> None:
-        """CURVE: a client connection closed; what its identity was owed is void from now on."""
+        """A client connection closed; what its identity was owed is void from now on."""
         try:
             ev = parse_monitor_message([bytes(f) for f in msg])
         except Exception:  # noqa: BLE001 - a monitor message we cannot read changes nothing
