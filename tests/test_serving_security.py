@@ -4,6 +4,7 @@ must get only genuine answers."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import socket
@@ -491,6 +492,39 @@ async def test_daemon_restart_ends_every_pending_request_explicitly():
             assert waited < 10
             info = await ac.info(timeout_s=10)
             assert info["epoch"] != epoch
+
+
+@pytest.mark.parametrize("down_s, knows_epoch", [(0.3, True), (3.0, True), (3.0, False)])
+async def test_requests_the_client_ended_are_never_served_by_the_restarted_daemon(down_s, knows_epoch):
+    """Requests submitted while the scheduler is down wait in the client's socket and reach the
+    restarted one; the client ends them (daemon-restarted when it hears of the restart, or
+    daemon-unreachable after 2 s of silence, even before it ever learned an epoch), so the new
+    scheduler must not serve or count them: what the client saw served is what the daemon
+    counts, and new requests are served."""
+    from ppiped.client import Result
+
+    with short_tmpdir("ppiped-restart-") as d, tiny_cluster(Path(d), ((0, 1, 2, 3),)) as c:
+        async with AsyncClient(c.client_endpoint, timeout_s=30) as ac:
+            if knows_epoch:
+                assert (await ac.submit("tiny", b"before", slo_ms=5000)).data == b"before"
+                await ac.info()  # the client knows the first scheduler's epoch
+            c.kill_server()
+            futs = [asyncio.ensure_future(ac.submit("tiny", b"q%d" % i, slo_ms=20_000)) for i in range(40)]
+            await asyncio.sleep(down_s)
+            c.restart_server()
+            outs = await asyncio.gather(*futs, return_exceptions=True)
+            lost = {wire.DAEMON_RESTARTED, wire.DAEMON_UNREACHABLE}
+            served = sum(isinstance(o, Result) for o in outs)
+            kept = [o for o in outs if not (isinstance(o, Dropped) and o.reason in lost)]
+            assert all(isinstance(o, (Result, Dropped, Rejected)) for o in outs), outs[:3]
+            end = time.monotonic() + 60  # the new daemon is up and its executors are back
+            while not ((st := c.status(timeout_s=1.0)) and st["vgpus"]["alive"] == 4) and time.monotonic() < end:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)  # anything still on its way reaches the new daemon
+            st = c.status(timeout_s=10)
+            assert st["models"]["tiny"]["accepted"] == len(kept), (st["models"]["tiny"], outs[:3])
+            assert st["models"]["tiny"]["ok"] == served
+            assert (await ac.submit("tiny", b"after", slo_ms=5000)).data == b"after"
 
 
 def test_a_frame_past_the_tensor_cap_never_reaches_the_scheduler(cluster):

@@ -678,7 +678,7 @@ class Server:
         elif kind == T.QUERY:
             self.queries.on_query(ident, h, msg, t)
         elif kind == T.PING:
-            info = {"version": wire.VERSION, "epoch": self.epoch,
+            info = {"version": wire.VERSION, "epoch": self.epoch, "checks_epoch": True,
                     "models": {m: self._model_info(i) for i, m in enumerate(self.model_names)},
                     "max_payload_bytes": self.cfg.max_payload_bytes,
                     "max_ids_per_message": self.cfg.max_ids_per_message,
@@ -705,6 +705,13 @@ class Server:
         if not ids:
             self.counters["malformed"] += 1
             send_parts(self.client, [ident, wire.error(wire.MALFORMED, "SUBMIT carries no requests")])
+            return
+        if h.epoch and h.epoch != self.epoch:
+            # sent to an earlier scheduler: its client ended them when it heard of the restart
+            # (or gave them up as unreachable), so serving them would be work nobody waits for
+            self.counters["stale_epoch"] += len(ids)
+            send_parts(self.client, [ident, wire.reply(ids, Status.DROPPED, wire.DAEMON_RESTARTED,
+                                                       "sent to an earlier scheduler")])
             return
         if prio >= wire.PRIORITIES:
             self.counters["malformed"] += 1
