@@ -252,6 +252,14 @@ class ModelStats:
         self.was_late = False  # the previous interval was late
         self.clients = 0  # clients with requests in flight (fair admission shares them the window)
 
+    def new_plan(self) -> None:
+        """The model is served again after a plan without it: counts go on, the admission window
+        (a measure of the old executors) starts afresh."""
+        self.limit = math.inf
+        self.late = []
+        self.limited = self.was_late = False
+        self.peak = self.calm = 0
+
     def outcomes(self, up_s: float) -> dict[str, Any]:
         """The figures both status views show: goodput over ``up_s`` seconds, drop rate, invalid
         rate (GPU time of answers late or failed after starting) and the high class's counts."""
@@ -324,6 +332,7 @@ class Server:
             raise ConfigError(f"{cfg.source}: limits.max_slo_ms: {cfg.max_slo_ms:g} is below the SLO of "
                               + ", ".join(f"{m} ({u / 1000:g} ms)" for m, u in over))
         self.removed_models: dict[str, int] = {}  # model -> the plan version that stopped serving it
+        self.removed_stats: dict[str, ModelStats] = {}  # their counts: totals and counters never fall
         self.assignments = [self._assignment(v) for v in range(self.nv)]
         self.vgpu_exec: list[ExecState | None] = [None] * self.nv
         self.execs: dict[bytes, ExecState] = {}
@@ -417,8 +426,22 @@ class Server:
         if names != self.model_names:  # the plan adds or removes models: stats follow by name
             old = self.model_names
             by = dict(zip(old, self.stats, strict=True))
-            self.stats = [by.get(m) or ModelStats() for m in names]
+            for m in set(old) - set(names):  # cumulative counts outlive the model (totals, metrics)
+                self.removed_stats[m] = by[m]
+            self.stats = []
+            for m in names:
+                st = by.get(m)
+                if st is None:  # added, or added back: counts on from where it stopped
+                    st = self.removed_stats.pop(m, None)
+                    if st is None:
+                        st = ModelStats()
+                    else:
+                        st.new_plan()
+                self.stats.append(st)
             self.rates.remap(old, names)
+            for i, m in enumerate(names):
+                if m not in by:  # its rate starts at zero from its count now, not from 0
+                    self.rates.last[i] = self.stats[i].accepted
             for m in set(old) - set(names):
                 self.removed_models[m] = self.plan_version + 1
             for m in names:
@@ -1767,10 +1790,16 @@ class Server:
         self.ctl.send_multipart([*frames, json.dumps(out).encode()])
         self.ctl_reader.kick()
 
+    def all_stats(self) -> list[tuple[str, ModelStats]]:
+        """Every model served since start, by name: the plan's, then those a replan removed
+        (cumulative counts: totals and Prometheus counters never go backwards)."""
+        return [*zip(self.model_names, self.stats, strict=True), *self.removed_stats.items()]
+
     def _totals(self) -> dict[str, int]:
-        return {"accepted": sum(s.accepted for s in self.stats), "ok": sum(s.ok for s in self.stats),
-                "dropped": sum(sum(s.dropped.values()) for s in self.stats),
-                "rejected": sum(sum(s.rejected.values()) for s in self.stats)}
+        every = [s for _, s in self.all_stats()]
+        return {"accepted": sum(s.accepted for s in every), "ok": sum(s.ok for s in every),
+                "dropped": sum(sum(s.dropped.values()) for s in every),
+                "rejected": sum(sum(s.rejected.values()) for s in every)}
 
     @staticmethod
     def _pcts(a: np.ndarray, n: int) -> dict[str, float]:
