@@ -153,18 +153,14 @@ class AsyncClient:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.max_ids = max_ids_per_message
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sec: Security | None = None
         if key_file or server_key_file:
             if not (key_file and server_key_file):
                 raise InputError("CURVE needs both the client's key_file and the server_key_file")
-            sec = Security(curve=True, server=load_keypair(server_key_file, what="server key"),
-                           own=load_keypair(key_file, need_secret=True, what="client key"))
-            connect_as(self._sock, sec)
-        self._sock.connect(endpoint)
+            self._sec = Security(curve=True, server=load_keypair(server_key_file, what="server key"),
+                                 own=load_keypair(key_file, need_secret=True, what="client key"))
+        self._ctx = zmq.Context()
+        self._sock = self._new_socket()
         self._ids = itertools.count(1)
         self._pending: dict[int, Callback] = {}
         self._queries: dict[int, Callable[[int, str, str, str, list, list], None]] = {}
@@ -177,9 +173,34 @@ class AsyncClient:
         self.errors: list[tuple[str, str]] = []  # ERROR messages not tied to a request
         self.watch_s = watch_s
         self.epoch: int | None = None  # the scheduler's, from its PONGs
+        self._stamp = False  # its PONG says it refuses requests stamped with another epoch
         self._heard = 0.0  # monotonic time of the last PONG (or of the first pending request)
         self._watch_handle: asyncio.TimerHandle | None = None
         self._watch_tokens = itertools.count(-1, -1)  # watch pings: negative tokens
+
+    def _new_socket(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if self._sec is not None:
+            connect_as(sock, self._sec)
+        sock.connect(self.endpoint)
+        return sock
+
+    def _reconnect(self) -> None:
+        """A new connection, after every pending request was ended ``daemon-unreachable``: the
+        old socket's unsent messages (queued while no scheduler was connected) are discarded
+        with it, so requests this client gave up are never served later, and replies still due
+        on the old connection never reach this one. The epoch is forgotten: the next PONG, from
+        whichever scheduler answers, sets it without ending the requests sent meanwhile."""
+        if self._reader is not None:
+            self._reader.close()
+        self._sock.close(0)
+        self._sock = self._new_socket()
+        self.epoch = None
+        if self._loop is not None:
+            self._reader = Reader(self._loop, self._sock, self._on_msg)
 
     @property
     def pending(self) -> int:
@@ -201,6 +222,7 @@ class AsyncClient:
         if self._pending or self._queries:
             if now - self._heard > max(UNREACHABLE_S, 4 * self.watch_s):
                 self._end_all(wire.DAEMON_UNREACHABLE)
+                self._reconnect()
                 self._heard = now
             else:
                 with contextlib.suppress(zmq.Again):
@@ -212,6 +234,9 @@ class AsyncClient:
         self._watch_handle = self._loop.call_later(self.watch_s, self._watch)
 
     def _end_all(self, reason: str) -> None:
+        """End every pending request and query with ``reason``; those not sent yet never are."""
+        self._out.clear()
+        self._qout.clear()
         pending, self._pending = self._pending, {}
         for rid, cb in pending.items():
             cb(rid, Status.DROPPED, reason, None, None)
@@ -251,10 +276,13 @@ class AsyncClient:
         self._flush_scheduled = False
         out, self._out = self._out, {}
         sock = self._sock
+        # stamped with the scheduler epoch this client knows: if that scheduler is gone, this
+        # client ends these requests when it hears of the new one, which refuses them unserved
+        epoch = (self.epoch or 0) if self._stamp else 0
         while self._qout:
             q = self._qout[0]
             try:
-                send_parts(sock, [wire.query(*q[0], sent_us=now_us()), q[1]], zmq.NOBLOCK)
+                send_parts(sock, [wire.query(*q[0], sent_us=now_us(), epoch=epoch), q[1]], zmq.NOBLOCK)
             except zmq.Again:
                 break
             self._qout.pop(0)
@@ -262,7 +290,7 @@ class AsyncClient:
             for i in range(0, len(ids), self.max_ids):
                 chunk = ids[i:i + self.max_ids]
                 try:
-                    send_parts(sock, [wire.submit(model, slo_us, chunk, prio, now_us()),
+                    send_parts(sock, [wire.submit(model, slo_us, chunk, prio, now_us(), epoch),
                                       *frames[i:i + self.max_ids]], zmq.NOBLOCK)
                 except zmq.Again:
                     q = self._out.setdefault((model, slo_us, prio), ([], []))
@@ -414,8 +442,11 @@ class AsyncClient:
             epoch = h.info.get("epoch")
             if epoch is not None:
                 if self.epoch is not None and epoch != self.epoch:
-                    self._end_all(wire.DAEMON_RESTARTED)  # the new scheduler never saw them
+                    # every request sent so far carries the old epoch: the new scheduler never
+                    # saw them or refuses them unserved (so ending them all agrees with it)
+                    self._end_all(wire.DAEMON_RESTARTED)
                 self.epoch = epoch
+                self._stamp = h.info.get("checks_epoch") is True
             fut = self._pings.get(h.token)
             if fut is not None and not fut.done():
                 fut.set_result(h.info)

@@ -82,7 +82,9 @@ MALFORMED = "malformed"
 VERSION_MISMATCH = "version"
 MODEL_REMOVED = "model-removed"  # a replan removed the model while the request was queued
 UNREGISTERED = "unregistered"  # an executor spoke before registering (scheduler restarted): re-register
-DAEMON_RESTARTED = "daemon-restarted"  # client side: the scheduler restarted and lost the request
+# the scheduler restarted and lost the request (client side), or a request stamped with an
+# earlier scheduler's epoch reached a restarted one, which refuses it unserved
+DAEMON_RESTARTED = "daemon-restarted"
 DAEMON_UNREACHABLE = "daemon-unreachable"  # client side: the scheduler stopped answering pings
 UNAUTHORIZED = "unauthorized"  # a peer message without the credentials its kind needs
 VGPU_TAKEN = "vgpu-taken"  # another live executor serves that vGPU: retry (it may be about to die)
@@ -122,14 +124,16 @@ class Message(msgspec.Struct, array_like=True):
 
 
 class Submit(Message):
-    """C→S, + one frame per id. ``priority`` (0 low, 1 high) and ``sent_us`` (the sender's
-    monotonic clock at send, µs; 0: unknown) are optional trailing fields."""
+    """C→S, + one frame per id. ``priority`` (0 low, 1 high), ``sent_us`` (the sender's
+    monotonic clock at send, µs; 0: unknown) and ``epoch`` (the scheduler epoch the sender last
+    heard in a PONG; 0: none) are optional trailing fields."""
 
     model: str
     slo_us: UInt  # 0: the model's SLO
     ids: UInts
     priority: UInt = 0
     sent_us: UInt = 0
+    epoch: UInt = 0
 
 
 class Reply(Message):
@@ -158,7 +162,8 @@ class Pong(Message):
 
 
 class Query(Message):
-    """C→S, + one frame. ``stages``, ``priority`` and ``sent_us`` are optional trailing fields."""
+    """C→S, + one frame. ``stages``, ``priority``, ``sent_us`` and ``epoch`` (as SUBMIT's) are
+    optional trailing fields."""
 
     app: str
     slo_us: UInt  # 0: the app's
@@ -166,6 +171,7 @@ class Query(Message):
     stages: UInt = 0
     priority: UInt = 0
     sent_us: UInt = 0
+    epoch: UInt = 0
 
 
 class Answer(Message):
@@ -203,8 +209,12 @@ class Peers(Message):
 
 
 class Heartbeat(Message):
+    """E→S. ``unreachable`` (optional, trailing): next-hop vGPUs the executor gave up forwarding
+    to since its last heartbeat (no endpoint in its directory, or no connection)."""
+
     clock_us: Clock
     queued: UInt
+    unreachable: UInts = []
 
 
 Tag = Annotated[bytes, msgspec.Meta(max_length=64)]
@@ -440,9 +450,15 @@ encode = _pack  # a Message struct (or a list in wire order) as header bytes
 _t = SimpleNamespace(**{t.name: int(t) for t in T})  # msgspec writes an int faster than an IntEnum
 
 
-def submit(model: str, slo_us: int, ids: Sequence[int], priority: int = 0, sent_us: int = 0) -> bytes:
+def submit(model: str, slo_us: int, ids: Sequence[int], priority: int = 0, sent_us: int = 0,
+           epoch: int = 0) -> bytes:
     """``sent_us``: the sender's monotonic clock at send (µs; 0: unknown). With it the scheduler
-    sees how long the message queued before it read it, and starts the SLO clock at the send."""
+    sees how long the message queued before it read it, and starts the SLO clock at the send.
+    ``epoch``: the scheduler's epoch (PONG ``info.epoch``) the sender knows; a scheduler with
+    another one (a restart the sender has not heard of yet, and has given these requests up
+    for) refuses them unserved with ``daemon-restarted``; 0: any scheduler serves them."""
+    if epoch:
+        return _pack([VERSION, _t.SUBMIT, model, slo_us, ids, priority, sent_us, epoch])
     if sent_us:
         return _pack([VERSION, _t.SUBMIT, model, slo_us, ids, priority, sent_us])
     if priority:
@@ -454,9 +470,13 @@ def reply(ids: Sequence[int], status: int, reason: str = "", meta: Any = None) -
     return _pack([VERSION, _t.REPLY, ids, status, reason, meta])
 
 
-def query(app: str, slo_us: int, qid: int, stages: bool = False, priority: int = 0, sent_us: int = 0) -> bytes:
+def query(app: str, slo_us: int, qid: int, stages: bool = False, priority: int = 0, sent_us: int = 0,
+          epoch: int = 0) -> bytes:
     """One query of an app (a tree of models): ``stages`` asks for every stage's outputs, not only
-    the leaves'; ``priority`` and ``sent_us`` as SUBMIT's. Exactly one ANSWER with ``qid`` follows."""
+    the leaves'; ``priority``, ``sent_us`` and ``epoch`` as SUBMIT's. Exactly one ANSWER with
+    ``qid`` follows."""
+    if epoch:
+        return _pack([VERSION, _t.QUERY, app, slo_us, qid, int(stages), priority, sent_us, epoch])
     return _pack([VERSION, _t.QUERY, app, slo_us, qid, int(stages), priority, sent_us])
 
 
@@ -504,7 +524,10 @@ def peers(directory: dict[int, str]) -> bytes:
     return _pack([VERSION, _t.PEERS, flat])
 
 
-def heartbeat(clock_us: int, queued: int) -> bytes:
+def heartbeat(clock_us: int, queued: int, unreachable: Sequence[int] = ()) -> bytes:
+    """``unreachable`` only when there are some: the bytes of a plain heartbeat stay as before."""
+    if unreachable:
+        return _pack([VERSION, _t.HEARTBEAT, clock_us, queued, list(unreachable)])
     return _pack([VERSION, _t.HEARTBEAT, clock_us, queued])
 
 

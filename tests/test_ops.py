@@ -630,12 +630,13 @@ def test_switch_moves_kept_models_and_drops_removed_ones():
     dropped = []
     srv = SimpleNamespace(core=old, model_names=["a", "b"], reqs=dict(reqs), batches={1: None},
                           _drop_reqs=lambda rs, why: dropped.append(([r.model for r in rs], why)),
-                          install_plan=lambda plan, core: calls.append(("install",)), plan_version=2, execs={})
+                          install_plan=lambda plan, core: calls.append(("install",)), plan_version=2, execs={},
+                          _send_peers=lambda: calls.append(("peers",)))
     moved, removed = switch(srv, None, new)
     assert (moved, removed) == (2, 1)
     assert dropped == [([1], wire.MODEL_REMOVED)]  # counted under the old index of "b"
     # (a high-class request stays high in the new core)
-    assert ("submit", 1, 1, 1) in calls and ("submit", 3, 1, 0) in calls and calls[-1] == ("install",)
+    assert ("submit", 1, 1, 1) in calls and ("submit", 3, 1, 0) in calls and calls[-2:] == [("install",), ("peers",)]
     assert srv.reqs[1].model == 1 and 2 not in srv.reqs and srv.batches == {}
 
 

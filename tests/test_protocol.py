@@ -45,7 +45,7 @@ def test_every_constructor_round_trips():
     (msgpack.packb([2, T.SUBMIT, "m", 0, [1]]), wire.VERSION_MISMATCH, "version 2"),
     (msgpack.packb([1, 77]), wire.MALFORMED, "unknown message type 77"),
     (msgpack.packb([1, "SUBMIT"]), wire.MALFORMED, "unknown message type"),
-    (msgpack.packb([1, T.SUBMIT, "m", 0]), wire.MALFORMED, "expected 3 to 5 fields"),
+    (msgpack.packb([1, T.SUBMIT, "m", 0]), wire.MALFORMED, "expected 3 to 6 fields"),
     (msgpack.packb([1, T.SUBMIT, 5, 0, [1]]), wire.MALFORMED, "SUBMIT.model: expected string"),
     (msgpack.packb([1, T.SUBMIT, "m", -1, [1]]), wire.MALFORMED, "SUBMIT.slo_us"),
     (msgpack.packb([1, T.SUBMIT, "m", 0, [1, True]]), wire.MALFORMED, "SUBMIT.ids"),
@@ -86,10 +86,23 @@ def test_submit_priority_is_an_optional_trailing_field():
     assert len(wire.submit("m", 0, [1])) < len(wire.submit("m", 0, [1], 1))
     with pytest.raises(ProtocolError, match="SUBMIT.priority"):
         wire.decode(msgpack.packb([1, T.SUBMIT, "m", 0, [1], "high"]))
-    with pytest.raises(ProtocolError, match="expected 3 to 5 fields"):
-        wire.decode(msgpack.packb([1, T.SUBMIT, "m", 0, [1], 1, 2, 3]))
+    with pytest.raises(ProtocolError, match="expected 3 to 6 fields"):
+        wire.decode(msgpack.packb([1, T.SUBMIT, "m", 0, [1], 1, 2, 3, 4]))
     with pytest.raises(ProtocolError, match="expected 1 fields"):  # no optional fields elsewhere
         wire.decode(msgpack.packb([1, T.PING]))
+
+
+def test_submit_epoch_is_an_optional_trailing_field_sent_only_when_known():
+    """A client stamps SUBMIT and QUERY with the scheduler epoch it knows; without one (0) the
+    bytes are as before, so an older daemon understands every submit of a client that has not
+    seen it say that it checks epochs."""
+    assert wire.submit("m", 0, [1], 0, 5) == msgpack.packb([1, T.SUBMIT, "m", 0, [1], 0, 5])
+    assert wire.decode(wire.submit("m", 0, [1], 0, 5)).epoch == 0
+    assert wire.decode(wire.submit("m", 0, [1], 0, 0, 77)).epoch == 77
+    assert wire.query("a", 0, 3, sent_us=5) == msgpack.packb([1, T.QUERY, "a", 0, 3, 0, 0, 5])
+    assert wire.decode(wire.query("a", 0, 3, epoch=9)).epoch == 9
+    assert wire.heartbeat(5, 1) == msgpack.packb([1, T.HEARTBEAT, 5, 1])  # nothing unreachable
+    assert wire.decode(wire.heartbeat(5, 1, [4])).unreachable == [4]
 
 
 def test_submit_sent_us_is_an_optional_trailing_field():

@@ -225,3 +225,28 @@ def test_a_long_batch_is_given_its_length_before_it_is_lost(tmp_path, monkeypatc
         assert b.answered and srv.counters["batches_lost"] == 1
     finally:
         rig.close()
+
+
+def test_unreachable_peer_is_counted_shown_and_mended_with_the_directory(tmp_path, monkeypatch):
+    """An executor that gave up forwarding to a vGPU (its heartbeat says) is not silent: the daemon
+    counts it, shows it in status, and sends it the directory again; a re-registration that is
+    only re-welcomed (a migration) gets the directory too (it may have been on standby)."""
+    rig = Rig(tmp_path, monkeypatch)
+    try:
+        srv = rig.srv
+        rig.to_server(wire.heartbeat(rig.t, 0, [3, 3, 1]))
+        st = srv.status()
+        assert st["counters"]["peer_unreachable"] == 2
+        assert st["executors"][0]["unreachable_peers"] == "1,3"
+        got = [wire.decode(m[0]) for m in rig.drain(rig.ex)]
+        peers = [h for h in got if h.type == T.PEERS]
+        assert len(peers) == 1 and peers[0].directory[:2] == [0, "inproc://data"], got
+        rig.to_server(wire.heartbeat(rig.t, 0))
+        assert srv.status()["executors"][0]["unreachable_peers"] == "1,3"  # for a heartbeat timeout
+        rig.t += srv.cfg.heartbeat_timeout_ms * 1000 + 1
+        assert srv.status()["executors"][0]["unreachable_peers"] == ""
+        rig.to_server(wire.register(list(range(srv.nv)), "inproc://data", "emulate", 1, rig.t, 1))
+        kinds = [wire.decode(m[0]).type for m in rig.drain(rig.ex)]
+        assert T.WELCOME in kinds and T.PEERS in kinds, kinds
+    finally:
+        rig.close()

@@ -390,3 +390,110 @@ def test_serve_refuses_a_config_at_odds_with_itself_or_the_plan(workdir, extra, 
     r = subprocess.run([sys.executable, "-m", "ppiped.cli", "serve", "--config", str(cfg)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_replan_brings_a_standby_executor_into_service_and_requests_pass_through_it(workdir):
+    """An executor registered while its vGPUs were beyond the plan (standby) learns no data
+    endpoints, and the others never heard of it; a replan to a plan that has its vGPUs must give
+    every executor the new directory, or every batch crossing to or from it is lost."""
+    import json
+
+    from ppiped import ctl
+
+    c = make_cluster(workdir, "grow", extra="[models.tiny]\ninput_bytes = 0\n")
+    try:
+        c.start()
+        c.groups.append([4, 5])
+        c.executors.append(c._start_executor(2))
+        wait_status(c, lambda s: any(e["vgpus"] == "4-5" for e in s["executors"]))
+        plan6 = c.config.parent / "plan6.json"
+        plan6.write_text(json.dumps(tiny.plan_json(tiny.profile_json(), vgpus=(3, 3))))
+        rp = ctl.call(str(c.config.parent / "admin.sock"),
+                      {"cmd": "replan", "plan_file": str(plan6), "wait": True}, 60)
+        assert rp["ok"] and rp["vgpus"] == 6, rp
+        st = wait_status(c, lambda s: s["vgpus"]["alive"] == 6, timeout_s=30)
+        assert st["vgpus"]["alive"] == 6, st["vgpus"]
+
+        async def drive():
+            async with AsyncClient(c.client_endpoint, timeout_s=30) as cl:
+                return await asyncio.gather(*[cl.submit("tiny", b"g%d" % i, slo_ms=5000) for i in range(120)],
+                                            return_exceptions=True)
+
+        outs = asyncio.run(drive())
+        bad = [o for o in outs if isinstance(o, BaseException)]
+        assert not bad, bad[:5]
+        assert [o.data for o in outs] == [b"g%d" % i for i in range(120)]
+        st = c.status()
+        assert st["busy_us"][4] + st["busy_us"][5] > 0, st["busy_us"]  # the new vGPUs served
+        assert not st["counters"].get("peer_unreachable"), st["counters"]
+    except BaseException:
+        show_logs(c)
+        raise
+    finally:
+        c.stop()
+
+
+def test_counters_never_go_backwards_when_a_replan_removes_and_re_adds_a_model(workdir):
+    """Totals keep a removed model's history, its Prometheus counters stay (a counter never
+    decreases within a process), and a model added back counts on from where it stopped."""
+    import json
+    import socket
+    import urllib.request
+
+    from ppiped import ctl
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = workdir / "counters"
+    d.mkdir()
+    plan, profiles = tiny.write_example(d)
+    prof2 = tiny.profile_json(model="tiny2")
+    (profiles / "tiny2.json").write_text(json.dumps(prof2))
+    both = tiny.plan_json(tiny.profile_json(), vgpus=(1, 1))
+    both["models"] += tiny.plan_json(prof2, vgpus=(1, 1))["models"]
+    both["objective"]["normalized_throughput"] = min(m["throughput_rps"] for m in both["models"])
+    both["cluster"]["gpus"]["CPU"]["count"] = 4
+    (d / "both.json").write_text(json.dumps(both))
+    cfg = write_config(d, d / "both.json", profiles, heartbeat_ms=50, timeout_ms=1000,
+                       scheduler={"wait_guard_us": 25_000},
+                       extra=f"[models.tiny]\ninput_bytes = 0\n[models.tiny2]\ninput_bytes = 0\n"
+                             f"[metrics]\nport = {port}\n")
+    c = LocalCluster(cfg, ((0, 2), (1, 3)), log_level="info")
+    admin = str(d / "admin.sock")
+
+    def metrics() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines()
+                                         if ln.startswith(("ppiped_requests_total", "ppiped_replies_total")))}
+
+    def replan(path: Path) -> None:
+        rp = ctl.call(admin, {"cmd": "replan", "plan_file": str(path), "wait": True}, 60)
+        assert rp["ok"], rp
+
+    try:
+        c.start()
+        with Client(c.client_endpoint, timeout_s=10) as cl:
+            for m in ("tiny", "tiny2"):
+                assert all(not isinstance(r, Exception) for r in cl.submit_many(m, [b"x"] * 5, slo_ms=5000))
+        before = metrics()
+        t0 = c.status()["totals"]
+        assert t0["accepted"] == 10 and before['ppiped_requests_total{model="tiny2"}'] == 5
+        replan(plan)  # tiny alone: tiny2 removed
+        after = metrics()
+        assert c.status()["totals"] == t0
+        for k, v in before.items():  # the removed model's counters are still there, unchanged
+            assert after.get(k) == v, (k, v, after.get(k))
+        replan(d / "both.json")  # tiny2 back: it counts on
+        with Client(c.client_endpoint, timeout_s=10) as cl:
+            assert all(not isinstance(r, Exception) for r in cl.submit_many("tiny2", [b"y"] * 3, slo_ms=5000))
+        again = metrics()
+        assert again['ppiped_requests_total{model="tiny2"}'] == 8
+        assert again['ppiped_replies_total{model="tiny2",outcome="ok"}'] == 8
+        st = c.status()
+        assert st["totals"]["accepted"] == 13 and st["models"]["tiny2"]["accepted"] == 8
+    except BaseException:
+        show_logs(c)
+        raise
+    finally:
+        c.stop()

@@ -4,6 +4,7 @@ must get only genuine answers."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import socket
@@ -427,6 +428,58 @@ def test_curve_a_reply_never_reaches_another_client_on_the_same_identity(curve_c
     assert not any(wire.decode(m[0]).type == T.REPLY for m in got), got
 
 
+def test_without_curve_a_reply_never_reaches_another_client_on_the_same_identity(cluster):
+    """No CURVE (ipc): client A submits under the ROUTER identity b"cam" while the executors are
+    stopped, and closes its socket; client B connects under the same identity and submits the
+    same request ids. B gets exactly its own replies, never A's results."""
+    import signal
+
+    c, _ = cluster
+    ctx = zmq.Context()
+
+    def client() -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTING_ID, b"cam")
+        s.connect(c.client_endpoint)
+        return s
+
+    n = 20
+    ids = list(range(1, n + 1))
+    before = c.status()["models"]["tiny"]["accepted"]
+    for p in c.executors:
+        os.kill(p.pid, signal.SIGSTOP)
+    try:
+        a = client()
+        a.send_multipart([wire.submit("tiny", 20_000_000, ids), *[b"A%d" % i for i in ids]])
+        deadline = time.monotonic() + 10
+        while c.status()["models"]["tiny"]["accepted"] < before + n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        a.close(0)
+        time.sleep(0.3)  # the daemon hears of the disconnect
+        b = client()
+        b.send_multipart([wire.submit("tiny", 20_000_000, ids), *[b"B%d" % i for i in ids]])
+        deadline = time.monotonic() + 10
+        while c.status()["models"]["tiny"]["accepted"] < before + 2 * n and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for p in c.executors:
+            os.kill(p.pid, signal.SIGCONT)
+    got: dict[int, list] = {}
+    end = time.monotonic() + 20
+    while time.monotonic() < end and (len(got) < n or b.poll(300)):
+        if not b.poll(200):
+            continue
+        m = b.recv_multipart()
+        h = wire.decode(m[0])
+        if h.type == T.REPLY:
+            for i, rid in enumerate(h.ids):
+                got.setdefault(rid, []).append(bytes(m[1 + i]) if h.status == Status.OK else h.reason)
+    ctx.destroy(0)
+    assert got == {i: [b"B%d" % i] for i in ids}, got
+    assert c.status()["counters"]["replies_to_closed_connections"] >= n
+
+
 async def test_daemon_restart_ends_every_pending_request_explicitly():
     with short_tmpdir("ppiped-restart-") as d, tiny_cluster(Path(d), ((0, 1, 2, 3),)) as c:
         async with AsyncClient(c.client_endpoint, timeout_s=30) as ac:
@@ -439,6 +492,39 @@ async def test_daemon_restart_ends_every_pending_request_explicitly():
             assert waited < 10
             info = await ac.info(timeout_s=10)
             assert info["epoch"] != epoch
+
+
+@pytest.mark.parametrize("down_s, knows_epoch", [(0.3, True), (3.0, True), (3.0, False)])
+async def test_requests_the_client_ended_are_never_served_by_the_restarted_daemon(down_s, knows_epoch):
+    """Requests submitted while the scheduler is down wait in the client's socket and reach the
+    restarted one; the client ends them (daemon-restarted when it hears of the restart, or
+    daemon-unreachable after 2 s of silence, even before it ever learned an epoch), so the new
+    scheduler must not serve or count them: what the client saw served is what the daemon
+    counts, and new requests are served."""
+    from ppiped.client import Result
+
+    with short_tmpdir("ppiped-restart-") as d, tiny_cluster(Path(d), ((0, 1, 2, 3),)) as c:
+        async with AsyncClient(c.client_endpoint, timeout_s=30) as ac:
+            if knows_epoch:
+                assert (await ac.submit("tiny", b"before", slo_ms=5000)).data == b"before"
+                await ac.info()  # the client knows the first scheduler's epoch
+            c.kill_server()
+            futs = [asyncio.ensure_future(ac.submit("tiny", b"q%d" % i, slo_ms=20_000)) for i in range(40)]
+            await asyncio.sleep(down_s)
+            c.restart_server()
+            outs = await asyncio.gather(*futs, return_exceptions=True)
+            lost = {wire.DAEMON_RESTARTED, wire.DAEMON_UNREACHABLE}
+            served = sum(isinstance(o, Result) for o in outs)
+            kept = [o for o in outs if not (isinstance(o, Dropped) and o.reason in lost)]
+            assert all(isinstance(o, (Result, Dropped, Rejected)) for o in outs), outs[:3]
+            end = time.monotonic() + 60  # the new daemon is up and its executors are back
+            while not ((st := c.status(timeout_s=1.0)) and st["vgpus"]["alive"] == 4) and time.monotonic() < end:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)  # anything still on its way reaches the new daemon
+            st = c.status(timeout_s=10)
+            assert st["models"]["tiny"]["accepted"] == len(kept), (st["models"]["tiny"], outs[:3])
+            assert st["models"]["tiny"]["ok"] == served
+            assert (await ac.submit("tiny", b"after", slo_ms=5000)).data == b"after"
 
 
 def test_a_frame_past_the_tensor_cap_never_reaches_the_scheduler(cluster):

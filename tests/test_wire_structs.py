@@ -23,19 +23,21 @@ from ppiped.wire import ProtocolError, T
 # s: string, b: bytes, U: list of unsigned ints, I: list of ints, l: list, d: map, a: anything
 # (WELCOME.data_key and DISPATCH/FORWARD.tags came later, as optional trailing fields, B: a list of
 # byte strings of at most 64 bytes (hop tags); c: an executor's
-# clock, 0 <= x < 2^62 µs, came later too: a clock near 2^64 overflowed the DISPATCHes built on it)
+# clock, 0 <= x < 2^62 µs, came later too: a clock near 2^64 overflowed the DISPATCHes built on it;
+# HEARTBEAT.unreachable came later, optional and trailing: next hops an executor could not reach;
+# SUBMIT.epoch and QUERY.epoch too: the scheduler epoch the client knew when it sent)
 OLD_SCHEMA = {
-    T.SUBMIT: "model:s slo_us:u ids:U priority:u sent_us:u",
+    T.SUBMIT: "model:s slo_us:u ids:U priority:u sent_us:u epoch:u",
     T.REPLY: "ids:U status:u reason:s meta:a",
     T.ERROR: "code:s message:s",
     T.PING: "token:a",
     T.PONG: "token:a info:d",
-    T.QUERY: "app:s slo_us:u qid:u stages:u priority:u sent_us:u",
+    T.QUERY: "app:s slo_us:u qid:u stages:u priority:u sent_us:u epoch:u",
     T.ANSWER: "qid:u status:u reason:s stage:s detail:s outputs:l",
     T.REGISTER: "vgpus:U data_endpoint:s backend:s pid:u clock_us:c incarnation:u",
     T.WELCOME: "assignments:l heartbeat_ms:u data_key:b",
     T.PEERS: "directory:l",
-    T.HEARTBEAT: "clock_us:c queued:u",
+    T.HEARTBEAT: "clock_us:c queued:u unreachable:U",
     T.DISPATCH: "batch:u path:U starts:I ids:U tags:B",
     T.FORWARD: "batch:u path:U starts:I hop:u ids:U meta:a tags:B",
     T.RESULT: "batch:u ids:U meta:a failed:l feedback:I",
@@ -47,7 +49,8 @@ OLD_SCHEMA = {
     T.PRELOADED: "prep:u load_us:u error:s",
 }
 # trailing fields that may be left out, with the values they then take
-OLD_OPTIONAL = {T.SUBMIT: (0, 0), T.QUERY: (0, 0, 0), T.WELCOME: (b"",), T.DISPATCH: ([],), T.FORWARD: ([],)}
+OLD_OPTIONAL = {T.SUBMIT: (0, 0, 0), T.QUERY: (0, 0, 0, 0), T.WELCOME: (b"",), T.DISPATCH: ([],), T.FORWARD: ([],),
+                T.HEARTBEAT: ([],)}
 FIELDS = {t: [f.split(":") for f in spec.split()] for t, spec in OLD_SCHEMA.items()}
 
 _OK = {
@@ -130,9 +133,15 @@ def test_constructors_and_structs_write_the_old_bytes_and_read_them_back(msg):
         flat = [x for kv in d.items() for x in kv]
         assert wire.peers(d) == msgpack.packb([wire.VERSION, t, flat])
     elif t == T.SUBMIT:
-        model, slo_us, ids, prio, sent = fields
-        short = fields if sent else fields[:4] if prio else fields[:3]  # trailing zeros left out
+        model, slo_us, ids, prio, sent, epoch = fields
+        short = fields if epoch else fields[:5] if sent else fields[:4] if prio else fields[:3]  # trailing zeros left out
         assert wire.submit(*fields) == msgpack.packb([wire.VERSION, t, *short])
+    elif t == T.HEARTBEAT:
+        short = fields if fields[2] else fields[:2]  # nothing unreachable is left out
+        assert wire.heartbeat(*fields) == msgpack.packb([wire.VERSION, t, *short])
+    elif t == T.QUERY:
+        short = fields if fields[6] else fields[:6]  # a zero epoch is left out
+        assert wire.query(*fields) == msgpack.packb([wire.VERSION, t, *short])
     else:
         assert getattr(wire, t.name.lower())(*fields) == old
     h = wire.decode(old)

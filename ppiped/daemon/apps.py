@@ -198,6 +198,11 @@ class Queries:
             srv.counters[f"query_{reason}"] += 1
             send_parts(srv.client, [ident, wire.answer(qid, Status.REJECTED, reason, stage, detail)])
 
+        if h.epoch and h.epoch != srv.epoch:  # sent to an earlier scheduler (see Server.on_submit)
+            srv.counters["stale_epoch"] += 1
+            send_parts(srv.client, [ident, wire.answer(qid, Status.DROPPED, wire.DAEMON_RESTARTED, "",
+                                                       "sent to an earlier scheduler")])
+            return None
         if app is None:
             return refuse(wire.UNKNOWN_APP, f"unknown app {name!r} (plan v{srv.plan_version} serves "
                           f"{', '.join(self.apps) or 'no apps'})")

@@ -226,6 +226,7 @@ def executors(srv: Server) -> list[dict[str, Any]]:
         out.append({"vgpus": format_ranges(e.vgpus), "pid": e.pid, "backend": e.backend, "endpoint": e.endpoint,
                     "health": health, "silent_ms": round(silent, 1), "clock_offset_us": e.offset,
                     "standby": format_ranges(standby) if standby else "",
+                    "unreachable_peers": srv.unreachable_peers(e, t),
                     "assignments": [_describe(srv.assignments[v]) for v in e.vgpus if v < srv.nv]})
     return out
 

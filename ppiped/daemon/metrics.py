@@ -80,26 +80,26 @@ def render(srv: Server) -> str:
         lines.append(f"# TYPE {name} {kind}")
 
     names = srv.model_names
+    every = srv.all_stats()  # counters: removed models' too, so none decreases or vanishes
     head("ppiped_requests_total", "counter", "Requests accepted into the queue.")
-    for i, n in enumerate(names):
-        lines.append(f"ppiped_requests_total{_labels(model=n)} {srv.stats[i].accepted}")
+    for n, s in every:
+        lines.append(f"ppiped_requests_total{_labels(model=n)} {s.accepted}")
     head("ppiped_replies_total", "counter", "Replies sent, by outcome (ok, dropped, rejected).")
-    for i, n in enumerate(names):
-        s = srv.stats[i]
+    for n, s in every:
         for outcome, v in (("ok", s.ok), ("dropped", sum(s.dropped.values())),
                            ("rejected", sum(s.rejected.values()))):
             lines.append(f"ppiped_replies_total{_labels(model=n, outcome=outcome)} {v}")
     head("ppiped_drops_total", "counter", "Requests dropped, by reason.")
-    for i, n in enumerate(names):
-        for reason, v in sorted(srv.stats[i].dropped.items()):
+    for n, s in every:
+        for reason, v in sorted(s.dropped.items()):
             lines.append(f"ppiped_drops_total{_labels(model=n, reason=reason)} {v}")
     head("ppiped_rejects_total", "counter", "Requests rejected at admission, by reason.")
-    for i, n in enumerate(names):
-        for reason, v in sorted(srv.stats[i].rejected.items()):
+    for n, s in every:
+        for reason, v in sorted(s.rejected.items()):
             lines.append(f"ppiped_rejects_total{_labels(model=n, reason=reason)} {v}")
     head("ppiped_late_total", "counter", "Requests answered ok after their deadline (counted in ok too).")
-    for i, n in enumerate(names):
-        lines.append(f"ppiped_late_total{_labels(model=n)} {srv.stats[i].ok_late}")
+    for n, s in every:
+        lines.append(f"ppiped_late_total{_labels(model=n)} {s.ok_late}")
     head("ppiped_attainment_ratio", "gauge", "Share of answered requests served within the SLO.")
     for i, n in enumerate(names):
         s = srv.stats[i]
@@ -109,13 +109,12 @@ def render(srv: Server) -> str:
     head("ppiped_gpu_seconds_total", "counter",
          "Measured GPU time of answered requests, by whether it was useful (valid) or spent on "
          "requests answered late or failed after starting (invalid).")
-    for i, n in enumerate(names):
-        s = srv.stats[i]
+    for n, s in every:
         lines.append(f"ppiped_gpu_seconds_total{_labels(model=n, use='valid')} {(s.gpu_us - s.invalid_us) / 1e6:.6g}")
         lines.append(f"ppiped_gpu_seconds_total{_labels(model=n, use='invalid')} {s.invalid_us / 1e6:.6g}")
     head("ppiped_class_requests_total", "counter", "High priority class: accepted, ok within the SLO, dropped.")
-    for i, n in enumerate(names):
-        for outcome, v in zip(("accepted", "ok", "dropped"), srv.stats[i].high, strict=True):
+    for n, s in every:
+        for outcome, v in zip(("accepted", "ok", "dropped"), s.high, strict=True):
             lines.append(f"ppiped_class_requests_total{_labels(model=n, priority='high', outcome=outcome)} {v}")
     head("ppiped_arrival_rate_rps", "gauge", "Measured arrival rate (EWMA), requests per second.")
     for i, n in enumerate(names):
@@ -142,6 +141,9 @@ def render(srv: Server) -> str:
     head("ppiped_vgpus_alive", "gauge", "vGPUs whose executor is ready.")
     alive = sum(1 for v in range(srv.nv) if (e := srv.vgpu_exec[v]) is not None and e.ready)
     lines.append(f"ppiped_vgpus_alive {alive}")
+    head("ppiped_peer_unreachable_total", "counter",
+         "Batches an executor could not forward to their next vGPU (no endpoint or no connection).")
+    lines.append(f"ppiped_peer_unreachable_total {srv.counters.get('peer_unreachable', 0)}")
     head("ppiped_reservation_error_seconds", "summary", "|actual - reserved| end of each batch's last hop.")
     lines.append(f"ppiped_reservation_error_seconds_sum {m.res_err_sum_s:.9g}")
     lines.append(f"ppiped_reservation_error_seconds_count {m.res_err_n}")

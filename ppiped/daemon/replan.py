@@ -411,6 +411,9 @@ def switch(srv: Server, plan: Plan, core: Scheduler) -> tuple[int, int]:
         srv._drop_reqs(gone, wire.MODEL_REMOVED)
     srv.batches.clear()  # answered; their late feedback would name the old core's reservations
     srv.install_plan(plan, core)
+    # the new plan's directory first: an executor on standby until now knows no peer, and the
+    # others know no endpoint for its vGPUs (a re-registration that is only re-welcomed sends none)
+    srv._send_peers()
     msg = wire.error(wire.UNREGISTERED, f"plan v{srv.plan_version}: register again for the new assignment")
     for ex in list(srv.execs.values()):
         ex.ready = False

@@ -202,7 +202,8 @@ class Batch:
 
 class ExecState:
     __slots__ = ("ident", "vgpus", "endpoint", "backend", "pid", "incarnation", "last_seen", "offsets",
-                 "offset", "ready", "rewelcome", "key", "overdue", "overdue_since", "queued")
+                 "offset", "ready", "rewelcome", "key", "overdue", "overdue_since", "queued", "unreachable",
+                 "unreachable_at")
 
     def __init__(self, ident: bytes, vgpus: list[int], endpoint: str, backend: str, pid: int,
                  incarnation: int) -> None:
@@ -217,6 +218,8 @@ class ExecState:
         self.overdue = 0  # batches charged to it (Server._blame_overdue) since one came through
         self.overdue_since = 0  # when the first of them was charged (µs)
         self.queued = 0  # batches it held at its last heartbeat (its own word)
+        self.unreachable: list[int] = []  # next hops it last said it could not reach, and when (µs)
+        self.unreachable_at = 0
 
     def clock_sample(self, exec_clock: int, t: int) -> None:
         self.offsets.append(exec_clock - t)
@@ -248,6 +251,14 @@ class ModelStats:
         self.calm = 0  # intervals in a row neither late nor refusing anything
         self.was_late = False  # the previous interval was late
         self.clients = 0  # clients with requests in flight (fair admission shares them the window)
+
+    def new_plan(self) -> None:
+        """The model is served again after a plan without it: counts go on, the admission window
+        (a measure of the old executors) starts afresh."""
+        self.limit = math.inf
+        self.late = []
+        self.limited = self.was_late = False
+        self.peak = self.calm = 0
 
     def outcomes(self, up_s: float) -> dict[str, Any]:
         """The figures both status views show: goodput over ``up_s`` seconds, drop rate, invalid
@@ -321,16 +332,18 @@ class Server:
             raise ConfigError(f"{cfg.source}: limits.max_slo_ms: {cfg.max_slo_ms:g} is below the SLO of "
                               + ", ".join(f"{m} ({u / 1000:g} ms)" for m, u in over))
         self.removed_models: dict[str, int] = {}  # model -> the plan version that stopped serving it
+        self.removed_stats: dict[str, ModelStats] = {}  # their counts: totals and counters never fall
         self.assignments = [self._assignment(v) for v in range(self.nv)]
         self.vgpu_exec: list[ExecState | None] = [None] * self.nv
         self.execs: dict[bytes, ExecState] = {}
         self.reqs: dict[int, Req] = {}  # queued in the core
         self.peers: dict[bytes, Peer] = {}  # client connections by ROUTER identity
         self.quarantined: dict[int, tuple[int, int]] = {}  # vGPU -> (refused until µs, times held)
-        # CURVE: a client chooses its ROUTER identity, so another client (another key) may take
-        # it once the first disconnects. Each identity's connection has a generation, bumped
-        # when its connection closes or another one speaks under it; a request keeps the one it
-        # came on, and its reply is sent only while that one holds (``connection_holds``).
+        # A client chooses its ROUTER identity, so another client may take it once the first
+        # disconnects (with or without CURVE, on any transport). Each identity's connection has a
+        # generation, bumped when its connection closes or another one speaks under it; a request
+        # keeps the one it came on, and its reply is sent only while that one holds
+        # (``connection_holds``).
         self.ident_gen: dict[bytes, int] = {}
         self.ident_fd: dict[bytes, int] = {}
         self.fd_ident: dict[int, bytes] = {}
@@ -413,8 +426,22 @@ class Server:
         if names != self.model_names:  # the plan adds or removes models: stats follow by name
             old = self.model_names
             by = dict(zip(old, self.stats, strict=True))
-            self.stats = [by.get(m) or ModelStats() for m in names]
+            for m in set(old) - set(names):  # cumulative counts outlive the model (totals, metrics)
+                self.removed_stats[m] = by[m]
+            self.stats = []
+            for m in names:
+                st = by.get(m)
+                if st is None:  # added, or added back: counts on from where it stopped
+                    st = self.removed_stats.pop(m, None)
+                    if st is None:
+                        st = ModelStats()
+                    else:
+                        st.new_plan()
+                self.stats.append(st)
             self.rates.remap(old, names)
+            for i, m in enumerate(names):
+                if m not in by:  # its rate starts at zero from its count now, not from 0
+                    self.rates.last[i] = self.stats[i].accepted
             for m in set(old) - set(names):
                 self.removed_models[m] = self.plan_version + 1
             for m in names:
@@ -510,10 +537,11 @@ class Server:
         # reaches a TCP ctl endpoint may send one) gets at most CTL_DUTY of the loop
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl, budget_us=CTL_SLICE_US,
                                  pace_after_us=CTL_SLICE_US, duty=CTL_DUTY)
-        self.readers = [self.client_reader, self.exe_reader, self.ctl_reader]
-        if cfg.security.curve:  # client identities are chosen by clients: watch who goes (see ident_gen)
-            self.client_events = self.client.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            self.readers.append(Reader(self.loop, self.client_events, self.on_client_event))
+        # client identities are chosen by clients: watch who goes (see ident_gen); with or without
+        # CURVE, since a plain client may set any ROUTING_ID too
+        self.client_events = self.client.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.readers = [self.client_reader, self.exe_reader, self.ctl_reader,
+                        Reader(self.loop, self.client_events, self.on_client_event)]
         try:
             await self._start_ops()
         except ConfigError:
@@ -673,7 +701,7 @@ class Server:
         elif kind == T.QUERY:
             self.queries.on_query(ident, h, msg, t)
         elif kind == T.PING:
-            info = {"version": wire.VERSION, "epoch": self.epoch,
+            info = {"version": wire.VERSION, "epoch": self.epoch, "checks_epoch": True,
                     "models": {m: self._model_info(i) for i, m in enumerate(self.model_names)},
                     "max_payload_bytes": self.cfg.max_payload_bytes,
                     "max_ids_per_message": self.cfg.max_ids_per_message,
@@ -700,6 +728,13 @@ class Server:
         if not ids:
             self.counters["malformed"] += 1
             send_parts(self.client, [ident, wire.error(wire.MALFORMED, "SUBMIT carries no requests")])
+            return
+        if h.epoch and h.epoch != self.epoch:
+            # sent to an earlier scheduler: its client ended them when it heard of the restart
+            # (or gave them up as unreachable), so serving them would be work nobody waits for
+            self.counters["stale_epoch"] += len(ids)
+            send_parts(self.client, [ident, wire.reply(ids, Status.DROPPED, wire.DAEMON_RESTARTED,
+                                                       "sent to an earlier scheduler")])
             return
         if prio >= wire.PRIORITIES:
             self.counters["malformed"] += 1
@@ -863,7 +898,7 @@ class Server:
         return p
 
     def _track_connection(self, ident: bytes, frame: Any) -> None:
-        """CURVE: note the connection (its socket FD) ``ident`` speaks on; another one than
+        """Note the connection (its socket FD) ``ident`` speaks on; another one than
         before means another client took the identity, and replies due to the first are void."""
         try:
             fd = frame.get(zmq.SRCFD)
@@ -880,7 +915,7 @@ class Server:
         self.fd_ident[fd] = ident
 
     def on_client_event(self, msg: list) -> None:
-        """CURVE: a client connection closed; what its identity was owed is void from now on."""
+        """A client connection closed; what its identity was owed is void from now on."""
         try:
             ev = parse_monitor_message([bytes(f) for f in msg])
         except Exception:  # noqa: BLE001 - a monitor message we cannot read changes nothing
@@ -1231,6 +1266,8 @@ class Server:
                 ex.last_seen = t
                 ex.queued = h.queued
                 ex.clock_sample(h.clock_us, t)
+                if h.unreachable:
+                    self._peer_unreachable(ex, h.unreachable, t)
                 if not ex.ready and not ex.rewelcome:
                     self.ready(ex)
             elif kind == T.REGISTER:
@@ -1318,6 +1355,9 @@ class Server:
             # again (with the assignment in force); its next heartbeat comes after loading it
             old.rewelcome = False
             self._welcome(ident, vgpus)
+            # and the directory: this executor may have been on standby, which learns none, and
+            # the plan it registers for may have moved other vGPUs to other executors
+            self._send_peers(only=old)
             return
         if old is not None:
             self.remove_executor(old, "re-registered")
@@ -1366,16 +1406,36 @@ class Server:
         """vGPUs of the plan in force whose executor is ready."""
         return sum(1 for e in self.vgpu_exec if e is not None and e.ready)
 
-    def _send_peers(self) -> None:
-        """The data endpoints of the plan's vGPUs, to the executors serving some of them. Why not
-        standby ids too: they carry no batches, and any local process may register one; each
-        registration broadcast to every peer made the daemon's memory grow with the cube of the
-        connections (and a directory of thousands of ids exceeded the executors' header limit)."""
+    def _send_peers(self, only: ExecState | None = None) -> None:
+        """The data endpoints of the plan's vGPUs, to the executors serving some of them (or to
+        ``only``). Sent on every change of the directory or of who serves the plan: a
+        registration, a removal, a plan switch (an executor on standby learns none until then).
+        Why not standby ids too: they carry no batches, and any local process may register one;
+        each registration broadcast to every peer made the daemon's memory grow with the cube of
+        the connections (and a directory of thousands of ids exceeded the executors' header limit)."""
         directory = {v: e.endpoint for e in self.execs.values() for v in e.vgpus if v < self.nv}
         msg = wire.peers(directory)
-        for e in list(self.execs.values()):
+        for e in [only] if only is not None else list(self.execs.values()):
             if any(v < self.nv for v in e.vgpus):
                 self._send_exec(e.ident, msg)
+
+    def _peer_unreachable(self, ex: ExecState, vgpus: list[int], t: int) -> None:
+        """``ex`` gave up forwarding batches to ``vgpus`` (its heartbeat says): a directory it
+        lacks or a peer it cannot connect to. Not silent: counted, logged, shown in status (and
+        ``ppiped-ctl executors``); the directory is sent to it again, which mends a stale one."""
+        vs = sorted({v for v in vgpus[:MAX_VGPUS_PER_EXEC] if v < MAX_VGPU_ID})
+        self.counters["peer_unreachable"] += len(vs)
+        ex.unreachable, ex.unreachable_at = vs, t
+        self.warn_limited("peer-unreachable", pid=ex.pid, vgpus=format_ranges(ex.vgpus),
+                          unreachable=format_ranges(vs),
+                          known=format_ranges([v for v in vs if v < self.nv and self.vgpu_exec[v] is not None]))
+        self._send_peers(only=ex)
+
+    def unreachable_peers(self, ex: ExecState, t: int) -> str:
+        """The next hops ``ex`` reported unreachable within the last heartbeat timeout ('' if none)."""
+        if ex.unreachable and t - ex.unreachable_at <= self.cfg.heartbeat_timeout_ms * 1000:
+            return format_ranges(ex.unreachable)
+        return ""
 
     def ready(self, ex: ExecState) -> None:
         ex.ready = True
@@ -1730,10 +1790,16 @@ class Server:
         self.ctl.send_multipart([*frames, json.dumps(out).encode()])
         self.ctl_reader.kick()
 
+    def all_stats(self) -> list[tuple[str, ModelStats]]:
+        """Every model served since start, by name: the plan's, then those a replan removed
+        (cumulative counts: totals and Prometheus counters never go backwards)."""
+        return [*zip(self.model_names, self.stats, strict=True), *self.removed_stats.items()]
+
     def _totals(self) -> dict[str, int]:
-        return {"accepted": sum(s.accepted for s in self.stats), "ok": sum(s.ok for s in self.stats),
-                "dropped": sum(sum(s.dropped.values()) for s in self.stats),
-                "rejected": sum(sum(s.rejected.values()) for s in self.stats)}
+        every = [s for _, s in self.all_stats()]
+        return {"accepted": sum(s.accepted for s in every), "ok": sum(s.ok for s in every),
+                "dropped": sum(sum(s.dropped.values()) for s in every),
+                "rejected": sum(sum(s.rejected.values()) for s in every)}
 
     @staticmethod
     def _pcts(a: np.ndarray, n: int) -> dict[str, float]:
@@ -1776,7 +1842,8 @@ class Server:
             "policy": self.core.policy.name, "models": models, "gpu_classes": classes,
             "executors": [{"vgpus": format_ranges(e.vgpus), "pid": e.pid, "backend": e.backend, "ready": e.ready,
                            "endpoint": e.endpoint, "silent_ms": (t - e.last_seen) / 1000,
-                           "clock_offset_us": e.offset} for e in self.execs.values()],
+                           "clock_offset_us": e.offset, "unreachable_peers": self.unreachable_peers(e, t)}
+                          for e in self.execs.values()],
             "vgpus": {"total": self.nv, "alive": sum(c["alive"] for c in classes.values()),
                       "missing": format_ranges([v for v in range(self.nv) if self.vgpu_exec[v] is None])},
             "busy_us": list(self.busy_us),

@@ -266,6 +266,7 @@ class Executor:
         self.counters = {"batches": 0, "requests": 0, "forwarded": 0, "dropped_no_peer": 0,
                          "bad_peer_messages": 0, "forwards_refused": 0, "bad_jobs": 0, "run_us": 0,
                          "wait_us": 0, "loop_lag_max_us": 0}
+        self.unreachable: set[int] = set()  # next hops given up on since the last heartbeat
         self.data_key = b""  # WELCOME's: the key of this executor's hop tags (wire.hop_tag)
         self.forwarded = Recent(FORWARDED_MEMORY)  # (batch, hop) taken: a hop runs once, a replay never
         # the scheduler and every peer cap frames alike (the same config and profiles)
@@ -627,8 +628,9 @@ class Executor:
         if self.stopped.done() or not self.registered or gen != self.hb_gen:
             return
         queued = sum(len(w.heap) + w.busy for w in self.workers.values())
+        unreachable, self.unreachable = sorted(self.unreachable), set()
         with contextlib.suppress(zmq.Again):
-            self.ctl.send(wire.heartbeat(now_us(), queued), zmq.NOBLOCK)
+            self.ctl.send(wire.heartbeat(now_us(), queued, unreachable), zmq.NOBLOCK)
         self.ctl_reader.kick()
         self.timers.call_at(now_us() + self.hb_ms * 1000, self.heartbeat, gen)
 
@@ -748,6 +750,7 @@ class Executor:
             self.timers.call_at(t + 1000, self._send_peer, vgpu, batch, msg, give_up_us)
             return
         self.counters["dropped_no_peer"] += 1
+        self.unreachable.add(vgpu)  # the next heartbeat tells the scheduler, which resends PEERS
         log.warning("peer-unreachable", vgpu=vgpu, batch=batch, endpoint=self.directory.get(vgpu, "-"))
 
     def _push_sock(self, vgpu: int) -> zmq.Socket | None:
