@@ -403,8 +403,7 @@ class Server:
         self.input_specs: list[dict | None] = []  # what clients are told to send
         self.fair_cap: list[float] = []  # requests in flight shared out under contention
         # the fastest a request can be served (a batch of one on the quickest pipeline, no wait)
-        self.fastest_us = [min((float(lay.rem[lay.pipe_pool0[n], 0]) for n in lay.pipelines_of(i)),
-                               default=math.inf) for i in range(len(self.model_names))]
+        self.fastest_us = [float(x) for x in lay.fastest_us()]
         rate = lay.rate_rps
         for i, m in enumerate(self.model_names):
             ms = self.cfg.models.get(m)
