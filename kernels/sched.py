@@ -22,6 +22,7 @@ from .state import (
     DROP_EARLY,
     DROP_NO_CAPACITY,
     F1,
+    F_CLASS_ROOM,
     F_GUARD,
     F_LAST_NOW,
     F_MARGIN_MAX,
@@ -105,7 +106,6 @@ from .state import (
     X_B_POOL,
     X_B_SLOTS,
     X_LAT,
-    X_M_CROOM,
     X_M_GAP,
     X_M_HI_UNTIL,
     X_M_HOLD,
@@ -845,7 +845,7 @@ def _ppipe_queue(A, F, m, now):
         shift = _room(A, F, m, now) if pard and F[o_hbf + m] > now else 0.0
         if shift > 0.0 and F[off(A, X_M_HI_UNTIL) + m] > now:
             # the low class already leaves its class room; the two rooms do not add up
-            shift = max(shift - F[off(A, X_M_CROOM) + m], 0.0)
+            shift = max(shift - F[F_CLASS_ROOM] * F[off(A, X_M_HOLD) + m], 0.0)
         oq, dh = _oldest(A, F, dq, m, hq)
         dh -= shift
         # 1. the pipeline with the least waiting at its planned batch size, among those that
@@ -890,7 +890,7 @@ def _ppipe_queue(A, F, m, now):
         # again (both rooms did so at latency noise σ 0.2, at half load)
         cls = 0.0
         if oq == m and F[off(A, X_M_HI_UNTIL) + m] > now:
-            cls = F[off(A, X_M_CROOM) + m]
+            cls = F[F_CLASS_ROOM] * F[off(A, X_M_HOLD) + m]
         give = shift + cls - max(F[off(A, X_M_HOLD) + m] - (best_f - now - best_w), 0.0)
         s_hi = shift  # what the rooms take off each class's deadlines (the class room is in a
         s_lo = shift  # low request's deadline already: a negative shift gives it back)
@@ -1186,9 +1186,9 @@ def _enqueue(A, F, rid, model, arrival, deadline, prio):
     high queue, batched first. Batching order alone cannot protect it: PPipe books requests into
     the tables as they come, so under overload the tables are full up to the SLO with low
     requests when a high one arrives. So while the high class is active (an arrival within
-    ``CLASS_HOLD_SLOS`` SLOs), a low request is scheduled against its deadline less the model's
-    class room (``X_M_CROOM``: ``F_CLASS_ROOM`` of the SLO, at least its fastest path): the low
-    class books the tables only that far ahead, and the room beyond is the high class's."""
+    ``CLASS_HOLD_SLOS`` SLOs), a low request is scheduled against its deadline less
+    ``F_CLASS_ROOM`` of the SLO: the low class books the tables only that far ahead, and the
+    room beyond is the high class's."""
     if A[H_NFREE] == 0:
         return FULL_SLOTS
     q = model
@@ -1199,7 +1199,7 @@ def _enqueue(A, F, rid, model, arrival, deadline, prio):
         if prio > 0:
             q = _hiq(A, model)
         elif F[o_hu] > arrival:
-            deadline -= F[off(A, X_M_CROOM) + model]
+            deadline -= F[F_CLASS_ROOM] * hold
     if A[off(A, X_Q_SIZE) + q] >= A[H_QC]:
         return FULL_QUEUE
     if q != model:

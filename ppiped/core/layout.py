@@ -88,18 +88,6 @@ class Layout:
                 out[m] = min(out[m], float(self.rem[self.pipe_pool0[p], 0]))
         return out
 
-    def class_room_us(self, share: float) -> np.ndarray:
-        """The room a low request's deadline leaves an active high class: ``share`` of the SLO,
-        but at least the model's fastest path (0 if ``share`` is 0). A room shorter than one
-        path leaves the high class no slot: booked up to the room by low requests, the tables
-        had no place for a high request that meets its deadline (a 9 ms batch on one vGPU, 5.9
-        ms room: high requests dropped while low ones were served)."""
-        room = share * self.slo_us
-        if share <= 0:
-            return room
-        fast = self.fastest_us()
-        return np.where(np.isfinite(fast), np.maximum(room, fast), room)
-
     @property
     def num_vgpus(self) -> int:
         return len(self.v_pool)

@@ -131,7 +131,7 @@ class RefScheduler:
         self.pgap = list(self.gap)  # at the planned rate
         self.hbf_until = [-INF] * len(layout.models)  # under pressure until (HBF too with pard)
         self.hi_until = [-INF] * len(layout.models)  # the high class is active until
-        self.room_us = [float(x) for x in layout.class_room_us(class_room)]
+        self.room = class_room
         self.proom_max = pressure_room
         self.room_q = room_quantile
         self.share_window = share_window
@@ -179,7 +179,7 @@ class RefScheduler:
         if prio > 0:
             self.hi_until[model] = max(self.hi_until[model], arrival + 20 * slo)
         elif self.hi_until[model] > arrival:
-            deadline -= self.room_us[model]  # the room left to the high class
+            deadline -= self.room * slo  # the room left to the high class
         self._push(model, RefRequest(rid, deadline, -1, self.seq, prio))
 
     def _push(self, q: int, r: RefRequest) -> None:
@@ -274,7 +274,7 @@ class RefScheduler:
             best = None
             shift = self._room(m, now) if self.pard[m] and self.hbf_until[m] > now else 0.0
             if shift > 0 and self.hi_until[m] > now:
-                shift = max(shift - self.room_us[m], 0.0)
+                shift = max(shift - self.room * float(self.L.slo_us[m]), 0.0)
             dh = q[0].deadline - shift
             for p in L.pipelines_of(m):
                 f, w, hops = self.probe(p, int(L.pipe_bs[p]), now)
@@ -289,7 +289,7 @@ class RefScheduler:
             f_b, w_b, hops_b, p = best
             # the rooms never take more of the SLO than the path leaves from empty tables
             slo = float(L.slo_us[m])
-            cls = self.room_us[m] if q[0].prio <= 0 and self.hi_until[m] > now else 0.0
+            cls = self.room * slo if q[0].prio <= 0 and self.hi_until[m] > now else 0.0
             give = shift + cls - max(slo - (f_b - now - w_b), 0.0)
             s_hi = s_lo = shift  # a negative s_lo gives back the class room in a low deadline
             if give > 0:

@@ -256,7 +256,6 @@ class Scheduler:
         a.view("m_room")[:] = 0.5 * pressure_room * lay.slo_us
         a.view("m_room_b")[:] = 0.5 * pressure_room * lay.slo_us
         a.view("m_hold")[:] = lay.slo_us
-        a.view("m_croom")[:] = lay.class_room_us(class_room)
         a.A[S.H_PARD] = int(policy.pard)
         a.view("m_pard")[:] = [int(m not in self.pard_exempt) for m in lay.models]
         share = a.view("m_share")
