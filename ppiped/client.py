@@ -130,12 +130,68 @@ class QueryResult:
 _RETRY_S = 0.005
 # A scheduler silent this long (no PONG while requests are pending) is taken for gone.
 UNREACHABLE_S = 2.0
+# A pending request ends with this reason (Dropped) when its client is closed.
+CLIENT_CLOSED = "client-closed"
 
 
 def error_for(status: int, reason: str, model: str = "", stage: str = "", detail: str = "",
               app: str = "") -> RequestError:
     cls = Rejected if status == Status.REJECTED else Dropped
     return cls(reason, model, stage, detail, app)
+
+
+# Largest SLO a client may ask for, µs (the wire carries it as an unsigned integer; a daemon
+# refuses anything above its own limits.max_slo_ms with a reason).
+MAX_SLO_US = 2**40
+
+
+def _frame(frame: Any) -> Any:
+    """``frame`` as something ZeroMQ sends as the request's bytes, or TypeError. An ndarray goes
+    in C order and native byte order: its raw memory is what the executor reads, so a Fortran-
+    ordered or big-endian array was served as another input (wrong answers, NaN)."""
+    if isinstance(frame, np.ndarray):
+        if not frame.dtype.isnative:
+            frame = frame.astype(frame.dtype.newbyteorder("="))
+        return np.ascontiguousarray(frame)
+    if isinstance(frame, (bytes, bytearray)):
+        return frame
+    try:
+        mv = memoryview(frame)
+    except TypeError:
+        raise TypeError(f"a frame is bytes or a numpy array, got {type(frame).__name__}") from None
+    if not mv.c_contiguous:
+        raise TypeError("a frame's memory must be contiguous (np.ascontiguousarray it)")
+    return mv
+
+
+def _slo_us(slo_ms: Any) -> int:
+    """The SLO on the wire (0: the model's own), or ValueError / TypeError."""
+    if slo_ms is None:
+        return 0
+    if isinstance(slo_ms, bool) or not isinstance(slo_ms, (int, float, np.integer, np.floating)):
+        raise TypeError(f"slo_ms is a number of milliseconds, got {type(slo_ms).__name__}")
+    us = float(slo_ms) * 1000.0
+    if not 1.0 <= us <= MAX_SLO_US:  # NaN fails too
+        raise ValueError(f"slo_ms must be within [0.001, {MAX_SLO_US / 1000:g}], got {slo_ms!r}")
+    return int(us)
+
+
+def _priority(priority: Any) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+        raise TypeError(f"priority is 0 (low) or 1 (high), got {priority!r}")
+    if priority not in (0, 1):
+        raise ValueError(f"priority must be 0 (low) or 1 (high), got {priority!r}")
+    return int(priority)
+
+
+def _name(name: Any, what: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{what} is a non-empty string, got {name!r}")
+    return name
+
+
+class ClientClosed(RuntimeError):
+    """The client was closed: its pending requests ended with this, and it takes no more."""
 
 
 class AsyncClient:
@@ -177,6 +233,8 @@ class AsyncClient:
         self._heard = 0.0  # monotonic time of the last PONG (or of the first pending request)
         self._watch_handle: asyncio.TimerHandle | None = None
         self._watch_tokens = itertools.count(-1, -1)  # watch pings: negative tokens
+        self.max_payload_bytes: int | None = None  # the scheduler's, from its PONGs
+        self.closed = False
 
     def _new_socket(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -207,13 +265,19 @@ class AsyncClient:
         return len(self._pending) + len(self._queries)
 
     def _attach(self) -> asyncio.AbstractEventLoop:
+        if self.closed:
+            raise ClientClosed(f"the client of {self.endpoint} is closed")
         loop = self._loop
+        if loop is not None and loop is not asyncio.get_running_loop():
+            raise RuntimeError("an AsyncClient serves the event loop it was first used on; make one per loop")
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
             self._reader = Reader(loop, self._sock, self._on_msg)
             if self.watch_s:
                 self._heard = time.monotonic()
                 self._watch_handle = loop.call_later(self.watch_s, self._watch)
+            with contextlib.suppress(zmq.Again):  # learn the scheduler's limits and epoch early
+                self._sock.send(wire.ping(next(self._watch_tokens)), zmq.NOBLOCK)
         return loop
 
     def _watch(self) -> None:
@@ -250,11 +314,13 @@ class AsyncClient:
         """Queue one request; ``cb(id, status, reason, frame, meta)`` runs once, on its reply.
         ``priority`` 1 is the high class: under overload the low class (0) is dropped first."""
         self._attach()
-        if priority not in (0, 1):
-            raise ValueError(f"priority must be 0 (low) or 1 (high), got {priority!r}")
+        # every check before the request is registered: a frame that cannot be sent once broke
+        # the whole message it was batched into, and a bad SLO left a request pending forever
+        model, frame = _name(model, "model"), _frame(frame)
+        key = (model, _slo_us(slo_ms), _priority(priority))
+        self._check_size(frame, model)
         rid = next(self._ids)
         self._pending[rid] = cb
-        key = (model, 0 if slo_ms is None else max(1, int(slo_ms * 1000)), priority)
         q = self._out.get(key)
         if q is None:
             q = self._out[key] = ([], [])
@@ -264,6 +330,14 @@ class AsyncClient:
             self._flush_scheduled = True
             self._loop.call_soon(self.flush)
         return rid
+
+    def _check_size(self, frame: Any, what: str) -> None:
+        """Refuse a frame above the scheduler's max_payload_bytes here: libzmq drops a connection
+        that sends one, silently, and the request never got an answer."""
+        n = frame.nbytes if hasattr(frame, "nbytes") else len(frame)
+        if self.max_payload_bytes is not None and n > self.max_payload_bytes:
+            raise Rejected(wire.PAYLOAD_TOO_LARGE, what,
+                           detail=f"frame of {n} bytes, the scheduler takes at most {self.max_payload_bytes}")
 
     def flush(self) -> None:
         """Send everything queued: one multipart per (model, SLO), at most ``max_ids`` requests each.
@@ -327,16 +401,15 @@ class AsyncClient:
             raise TimeoutError(f"no reply from {self.endpoint} within {t} s") from None
 
     async def submit_many(self, model: str, frames: Sequence[Any], slo_ms: float | None = None,
-                          priority: int = 0) -> list[Result | RequestError]:
-        """Submit several frames at once; each entry is a Result or the error it ended with."""
-        futs = [asyncio.ensure_future(self.submit(model, f, slo_ms, priority=priority)) for f in frames]
-        out: list[Result | RequestError] = []
-        for f in futs:
-            try:
-                out.append(await f)
-            except RequestError as e:
-                out.append(e)
-        return out
+                          priority: int = 0, timeout_s: float | None = -1.0) -> list[Result | RequestError | TimeoutError]:
+        """Submit several frames at once; each entry is a Result or the error it ended with
+        (a TimeoutError too: one late answer no longer loses the others)."""
+        futs = [asyncio.ensure_future(self.submit(model, f, slo_ms, timeout_s, priority)) for f in frames]
+        got = await asyncio.gather(*futs, return_exceptions=True)
+        for g in got:  # a bad call (TypeError, ValueError) is the caller's, not an outcome
+            if isinstance(g, BaseException) and not isinstance(g, (RequestError, TimeoutError)):
+                raise g
+        return list(got)
 
     async def submit_query(self, app: str, frame: Any, slo_ms: float | None = None, stages: bool = False,
                            priority: int = 0, timeout_s: float | None = -1.0) -> QueryResult:
@@ -351,8 +424,9 @@ class AsyncClient:
         ...), each naming the app and the ``stage`` it failed at, or TimeoutError (no answer
         within ``timeout_s``; -1: the client's timeout)."""
         loop = self._attach()
-        if priority not in (0, 1):
-            raise ValueError(f"priority must be 0 (low) or 1 (high), got {priority!r}")
+        app, frame = _name(app, "app"), _frame(frame)
+        slo_us, priority = _slo_us(slo_ms), _priority(priority)
+        self._check_size(frame, app)
         fut = loop.create_future()
         qid = next(self._ids)
 
@@ -372,7 +446,6 @@ class AsyncClient:
             fut.set_result(QueryResult(outs, by if stages else None))
 
         self._queries[qid] = done
-        slo_us = 0 if slo_ms is None else max(1, int(slo_ms * 1000))
         self._qout.append([(app, slo_us, qid, stages, priority), frame])
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -447,6 +520,9 @@ class AsyncClient:
                     self._end_all(wire.DAEMON_RESTARTED)
                 self.epoch = epoch
                 self._stamp = h.info.get("checks_epoch") is True
+            mp = h.info.get("max_payload_bytes")
+            if isinstance(mp, int) and not isinstance(mp, bool) and mp > 0:
+                self.max_payload_bytes = mp
             fut = self._pings.get(h.token)
             if fut is not None and not fut.done():
                 fut.set_result(h.info)
@@ -454,6 +530,22 @@ class AsyncClient:
             self.errors.append((h.code, h.message))
 
     async def close(self) -> None:
+        """End every pending request and query with :class:`ClientClosed` (``Dropped('client-
+        closed')`` for callbacks), then close the socket; later calls raise ClientClosed."""
+        if self.closed:
+            return
+        self.closed = True
+        self._out.clear()
+        self._qout.clear()
+        pending, self._pending = self._pending, {}
+        for rid, cb in pending.items():
+            cb(rid, Status.DROPPED, CLIENT_CLOSED, None, None)
+        queries, self._queries = self._queries, {}
+        for qcb in queries.values():
+            qcb(Status.DROPPED, CLIENT_CLOSED, "", "", [], [])
+        for fut in self._pings.values():
+            if not fut.done():
+                fut.set_exception(ClientClosed(f"the client of {self.endpoint} was closed"))
         if self._watch_handle is not None:
             self._watch_handle.cancel()
         if self._reader is not None:
@@ -485,15 +577,20 @@ class Client:
         return AsyncClient(endpoint, timeout_s, key_file=key_file, server_key_file=server_key_file)
 
     def _call(self, coro: Any) -> Any:
+        if self._loop.is_closed():
+            coro.close()
+            raise ClientClosed("the client is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def submit(self, model: str, frame: Any, slo_ms: float | None = None, priority: int = 0) -> Result:
-        """Serve ``frame`` with ``model``; raises :class:`Dropped` / :class:`Rejected` / TimeoutError."""
-        return self._call(self._ac.submit(model, frame, slo_ms, priority=priority))
+    def submit(self, model: str, frame: Any, slo_ms: float | None = None, priority: int = 0,
+               timeout_s: float | None = -1.0) -> Result:
+        """Serve ``frame`` with ``model``; raises :class:`Dropped` / :class:`Rejected` / TimeoutError
+        (``timeout_s`` -1: the client's)."""
+        return self._call(self._ac.submit(model, frame, slo_ms, timeout_s, priority))
 
     def submit_many(self, model: str, frames: Sequence[Any], slo_ms: float | None = None,
-                    priority: int = 0) -> list[Result | RequestError]:
-        return self._call(self._ac.submit_many(model, frames, slo_ms, priority))
+                    priority: int = 0, timeout_s: float | None = -1.0) -> list[Result | RequestError | TimeoutError]:
+        return self._call(self._ac.submit_many(model, frames, slo_ms, priority, timeout_s))
 
     def submit_query(self, app: str, frame: Any, slo_ms: float | None = None, stages: bool = False,
                      priority: int = 0, timeout_s: float | None = -1.0) -> QueryResult:
@@ -505,6 +602,7 @@ class Client:
         return self._call(self._ac.info(timeout_s))
 
     def close(self) -> None:
+        """End every pending call (each raises ``Dropped('client-closed')``), then stop."""
         if self._loop.is_closed():
             return
         self._call(self._ac.close())

@@ -18,7 +18,7 @@ import zmq
 from conftest import cuda_torch
 
 from ppiped import wire
-from ppiped.client import AsyncClient, Client, Dropped, Rejected
+from ppiped.client import AsyncClient, Client, ClientClosed, Dropped, Rejected
 from ppiped.commands.loadgen import run_load
 from ppiped.daemon.launch import LocalCluster, short_tmpdir, write_config
 from ppiped.executor import tiny
@@ -107,9 +107,84 @@ async def test_rejections_are_typed_and_counted(emulated):
         with pytest.raises(Rejected) as e:
             await c.submit("tiny", b"\0" * (16 << 20) + b"!")
         assert e.value.reason == wire.PAYLOAD_TOO_LARGE
+        # far above the limit too (libzmq once dropped such a connection and the request was
+        # never answered): refused before it is sent, as soon as a PONG told the limit
+        assert c.max_payload_bytes == 16 << 20
+        with pytest.raises(Rejected) as e:
+            await c.submit("tiny", np.zeros(5 << 20, dtype=np.float32))
+        assert e.value.reason == wire.PAYLOAD_TOO_LARGE and "20971520 bytes" in str(e.value)
+        assert c.pending == 0
         assert (await c.submit("tiny", b"still fine")).data == b"still fine"
     st = emulated.status()
-    assert st["counters"][wire.UNKNOWN_MODEL] >= 1 and st["counters"][wire.PAYLOAD_TOO_LARGE] >= 1
+    assert st["counters"][wire.UNKNOWN_MODEL] >= 1
+
+
+async def test_a_bad_frame_or_argument_fails_its_own_call_only(emulated):
+    """Bad calls batched in the same loop turn as good ones: each raises at its call, the good
+    ones are served, nothing is left pending (one unsendable frame used to break the whole
+    message, and a query's wedged the client for good)."""
+    async with AsyncClient(emulated.client_endpoint, timeout_s=10) as c:
+        strided = np.arange(10.0)[::2]
+        good = [c.submit("tiny", b"a"), c.submit("tiny", b"b", slo_ms=200, priority=1),
+                c.submit("tiny", strided), c.submit_query("no-such-app", np.zeros((3, 3))[:, :1])]
+        bad = {"str": c.submit("tiny", "text"), "none": c.submit("tiny", None),
+               "strided-view": c.submit("tiny", memoryview(strided)), "prio-bool": c.submit("tiny", b"x", priority=True),
+               "slo-nan": c.submit("tiny", b"x", slo_ms=float("nan")), "slo-0": c.submit("tiny", b"x", slo_ms=0),
+               "slo-huge": c.submit("tiny", b"x", slo_ms=1e20), "model": c.submit(None, b"x"),
+               "query": c.submit_query("no-such-app", "text")}
+        got = await asyncio.gather(*good, *bad.values(), return_exceptions=True)
+        assert [r.data for r in got[:3]] == [b"a", b"b", strided.copy().tobytes()], got[:3]
+        assert isinstance(got[3], Rejected) and got[3].reason == wire.UNKNOWN_APP, got[3]
+        for name, r in zip(bad, got[4:], strict=True):
+            assert isinstance(r, (TypeError, ValueError)), (name, r)
+        assert c.pending == 0
+        assert (await c.submit("tiny", b"after", priority=np.int64(1))).data == b"after"
+
+
+async def test_arrays_go_in_c_order_and_native_byte_order(emulated):
+    """The executor reads the frame's raw memory: a Fortran-ordered or big-endian array was
+    served as another input. The emulated executor echoes what it was sent."""
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    async with AsyncClient(emulated.client_endpoint, timeout_s=10) as c:
+        for arr in (np.asfortranarray(x), x.astype(">f4"), x.T.copy().T):
+            assert (await c.submit("tiny", arr)).data == x.tobytes()
+
+
+async def test_closing_ends_every_pending_call_and_refuses_more(tmp_path):
+    """No scheduler listens: a pending request used to wait forever (timeout None) after close."""
+    c = AsyncClient(f"ipc://{tmp_path}/nobody.sock", timeout_s=None)
+    task = asyncio.ensure_future(c.submit("tiny", b"x"))
+    many = asyncio.ensure_future(c.submit_many("tiny", [b"1", b"2"], timeout_s=0.2))
+    await asyncio.sleep(0.3)
+    assert [type(r) for r in await many] == [TimeoutError, TimeoutError]
+    await c.close()
+    with pytest.raises(Dropped) as e:
+        await task
+    assert e.value.reason == "client-closed" and c.pending == 0
+    with pytest.raises(ClientClosed):
+        await c.submit("tiny", b"y")
+
+
+def test_closing_a_blocking_client_ends_a_call_blocked_in_another_thread(tmp_path):
+    import threading
+
+    c = Client(f"ipc://{tmp_path}/nobody.sock", timeout_s=None)
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(_outcome(lambda: c.submit("tiny", b"x"))))
+    t.start()
+    time.sleep(0.3)
+    c.close()
+    t.join(10)
+    assert not t.is_alive() and isinstance(out[0], Dropped) and out[0].reason == "client-closed"
+    with pytest.raises(ClientClosed):
+        c.submit("tiny", b"y")
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the test looks at what it was
+        return e
 
 
 def test_malformed_messages_get_errors_not_crashes(emulated):
