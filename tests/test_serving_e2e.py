@@ -433,6 +433,28 @@ def test_threads_config_puts_the_loop_and_zeromq_io_on_their_cpus(workdir):
         c.stop()
 
 
+def test_serve_refuses_a_plan_that_cuts_where_the_profile_found_fp16_unsafe(workdir):
+    """Served, such a plan's answers were off by half the output's range; it was a warning."""
+    import json
+    import subprocess
+    import sys
+
+    from ppiped.plan import load_plan
+
+    d = workdir / "unsafe"
+    d.mkdir()
+    plan, profiles = tiny.write_example(d)
+    cut = load_plan(plan).models[0].pipelines[0].partitions[0].blocks[1]
+    f = Path(profiles) / f"{tiny.MODEL}.json"
+    prof = json.loads(f.read_text())
+    prof["equivalence"] = {"unsafe_cuts": [cut], "cut_errors": {str(cut): 0.53}}
+    f.write_text(json.dumps(prof))
+    cfg = write_config(d, plan, profiles)
+    r = subprocess.run([sys.executable, "-m", "ppiped.cli", "serve", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not served" in r.stderr and "[unsafe-cut]" in r.stderr, r.stderr
+
+
 def test_threads_config_with_a_cpu_the_daemon_may_not_use_is_a_clear_error(workdir):
     import subprocess
     import sys

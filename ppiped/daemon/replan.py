@@ -40,7 +40,7 @@ from .. import logs, wire
 from ..core.layout import Layout
 from ..core.scheduler import Scheduler
 from ..errors import InputError, UserError
-from ..plan import Plan, check_weights, format_plan_table
+from ..plan import Plan, check_weights, format_plan_table, refuse_for_serving
 from .config import format_ranges
 from .loop import Timers, now_us
 from .state import save_plan_in_force
@@ -286,11 +286,14 @@ def _new_profiles(srv: Server, plan: Plan) -> dict:
 def placeable(srv: Server, plan: Plan) -> None:
     """Raise what a switch to ``plan`` would refuse (profiles, splits, blocks, GPUs), without
     building a core; safe off the event loop (reads only)."""
-    Layout.from_plan(plan, {**srv.profiles, **_new_profiles(srv, plan)})
+    profiles = {**srv.profiles, **_new_profiles(srv, plan)}
+    Layout.from_plan(plan, profiles)
+    refuse_for_serving(plan, profiles)
 
 
 def _new_core(srv: Server, plan: Plan) -> Scheduler:
     srv.profiles.update(_new_profiles(srv, plan))
+    refuse_for_serving(plan, srv.profiles)
     core = Scheduler(plan, srv.profiles, policy=srv.policy_name, **srv.core_kw)
     for v in range(core.layout.num_vgpus):
         core.remove_vgpu(v)
