@@ -530,19 +530,12 @@ class AsyncClient:
             self.errors.append((h.code, h.message))
 
     async def close(self) -> None:
-        """End every pending request and query with :class:`ClientClosed` (``Dropped('client-
-        closed')`` for callbacks), then close the socket; later calls raise ClientClosed."""
+        """End every pending request and query ``Dropped('client-closed')``, then close the
+        socket; later calls raise :class:`ClientClosed`."""
         if self.closed:
             return
         self.closed = True
-        self._out.clear()
-        self._qout.clear()
-        pending, self._pending = self._pending, {}
-        for rid, cb in pending.items():
-            cb(rid, Status.DROPPED, CLIENT_CLOSED, None, None)
-        queries, self._queries = self._queries, {}
-        for qcb in queries.values():
-            qcb(Status.DROPPED, CLIENT_CLOSED, "", "", [], [])
+        self._end_all(CLIENT_CLOSED)
         for fut in self._pings.values():
             if not fut.done():
                 fut.set_exception(ClientClosed(f"the client of {self.endpoint} was closed"))
