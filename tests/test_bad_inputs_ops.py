@@ -47,6 +47,8 @@ EXECUTOR_CASES = {
     "vgpu-range-too-wide": (["--vgpu", "0-100000"], "more than 4,096 vGPUs"),
     "vgpu-huge-range": (["--vgpu", "0-100000000000000"], "--vgpu: vGPU id 100000000000000"),
     "log-level-bogus": (["--vgpu", "0", "--log-level", "bogus"], "argument --log-level"),
+    # in-process only: the executor said ready and every batch sent to it was lost
+    "data-endpoint-inproc": (["--vgpu", "0", "--data-endpoint", "inproc://x"], "not 'inproc://x'"),
 }
 
 
@@ -55,6 +57,19 @@ def test_executor_refuses_bad_flags(tmp_path, extra, fragment):
     cfg = executor_config(tmp_path)
     refused(run_cli(["ppiped.executor.main", "--config", str(cfg), *extra], timeout=30), fragment)
     assert not list(tmp_path.glob("*.sock")), "a refused executor left a socket file"
+
+
+def test_executor_will_not_listen_off_host_without_curve(tmp_path):
+    """--data-endpoint on all interfaces with remote endpoints allowed but CURVE off: it bound
+    the port before the scheduler could refuse it."""
+    cfg = executor_config(tmp_path)
+    cfg.write_text(cfg.read_text().replace("[endpoints]\n", "[endpoints]\nallow_remote = true\n"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = run_cli(["ppiped.executor.main", "--config", str(cfg), "--vgpu", "1", "--data-endpoint",
+                 f"tcp://0.0.0.0:{port}"], timeout=30)
+    refused(p, "leaves this host, so security.curve must be true")
 
 
 def test_executor_on_a_taken_tcp_port_says_so_in_one_line(tmp_path):

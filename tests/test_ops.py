@@ -71,7 +71,14 @@ BASE = {"plan": "p.json", "profiles": "profiles"}
     ({"threads": {"loop_cpu": [0]}}, "threads", "unknown key(s) loop_cpu"),
     ({"executor": {"start_early_us": "soon"}}, "executor.start_early_us", 'number >= 0 or "inf"'),
     ({"executor": {"start_early_us": -5}}, "executor.start_early_us", 'number >= 0 or "inf"'),
-    ({"executor": {"emulate_jitter": "inf"}}, "executor.emulate_jitter", "finite number"),
+    ({"executor": {"emulate_jitter": "inf"}}, "executor.emulate_jitter", "lognormal sigma in [0, 2]"),
+    # 1e300 overflowed a batch's duration and wedged the vGPU
+    ({"executor": {"emulate_jitter": 1e300}}, "executor.emulate_jitter", "lognormal sigma in [0, 2]"),
+    # a per-vGPU data endpoint off the host without CURVE was accepted (only the default was checked)
+    ({"endpoints": {"allow_remote": True}, "executors": {"3": {"data_endpoint": "tcp://0.0.0.0:17303"}}},
+     "executors.3.data_endpoint", "security.curve must be true"),
+    # in-process: no peer executor could ever reach it, and every batch was lost
+    ({"executor": {"data_endpoint": "inproc://vgpu-{vgpu}"}}, "executor.data_endpoint", "ipc:// or tcp://"),
     ({"executor": {"data_port_base": 70000}}, "executor.data_port_base", "TCP port in 1024..65535"),
     ({"limits": {"max_slo_ms": 1000}, "models": {"tiny": {"slo_ms": 5000}}}, "models.tiny.slo_ms",
      "over limits.max_slo_ms"),

@@ -282,6 +282,7 @@ class _Table:
 MAX_EXECUTOR_THREADS = 1024
 MAX_IO_THREADS = 64
 MAX_EMULATE_LOAD_MS = 3_600_000
+MAX_EMULATE_JITTER = 2.0  # as the simulator's --jitter: e^(2 x 4) ~ 3000x the profile already
 
 
 def _executor_settings(t: _Table, base: ExecutorSettings, allow_remote: bool, folder: Path) -> ExecutorSettings:
@@ -300,12 +301,16 @@ def _executor_settings(t: _Table, base: ExecutorSettings, allow_remote: bool, fo
         emulate_load_ms=t.get("emulate_load_ms", base.emulate_load_ms, "int0"),
         emulate_jitter=t.get("emulate_jitter", base.emulate_jitter, "num0inf"),
     )
-    if not math.isfinite(s.emulate_jitter):
-        raise ConfigError(f"{t.source}: {t.key('emulate_jitter')}: expected a finite number >= 0")
+    if not 0 <= s.emulate_jitter <= MAX_EMULATE_JITTER:  # 1e300 overflowed a batch's duration
+        raise ConfigError(f"{t.source}: {t.key('emulate_jitter')}: expected a lognormal sigma in "
+                          f"[0, {MAX_EMULATE_JITTER:g}], got {s.emulate_jitter}")
     if s.backend not in BACKENDS:
         raise ConfigError(f"{t.source}: {t.key('backend')}: expected one of {', '.join(BACKENDS)}, "
                           f"got {s.backend!r}")
     if s.data_endpoint:
+        if s.data_endpoint.startswith("inproc://"):  # peers in other processes could never reach it
+            raise ConfigError(f"{t.source}: {t.key('data_endpoint')}: a data endpoint is reached by other "
+                              f"processes: ipc:// or tcp://, not {s.data_endpoint!r}")
         if s.data_endpoint.startswith("ipc://"):
             s = replace(s, data_endpoint=check_endpoint(s.data_endpoint, t.key("data_endpoint"), t.source,
                                                         allow_remote, folder))
@@ -414,15 +419,28 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
 _LOOPBACK = re.compile(r"^(ipc://|inproc://|tcp://(127\.0\.0\.1|localhost|\[::1\]):)")
 
 
+def check_data_endpoint(ep: Any, key: str, cfg: ServeConfig) -> str:
+    """An executor's data endpoint given on its command line: checked as the config's are, and
+    refused before anything binds when it leaves the host without CURVE, or is in-process only."""
+    ep = check_endpoint(ep, key, "flags", cfg.allow_remote)
+    if ep.startswith("inproc://"):
+        raise ConfigError(f"{key}: a data endpoint is reached by other processes: ipc:// or tcp://, not {ep!r}")
+    if not _LOOPBACK.match(ep) and not cfg.security.curve:
+        raise ConfigError(f"{key}: {ep!r} leaves this host, so security.curve must be true in {cfg.source}")
+    return ep
+
+
 def _security(t: _Table, cfg: ServeConfig, base: Path) -> Security:
     """[security]: CURVE on or off, the scheduler's key, and who may connect where.
 
     CURVE is required as soon as any endpoint, a data endpoint included, is not loopback."""
     src = t.source
     curve = t.get("curve", False, "bool")
+    data = [("executor.data_endpoint", cfg.executor_defaults.endpoint_for(0))]
+    data += [(f"executors.{v}.data_endpoint", st.endpoint_for(v)) for v, st in sorted(cfg.executors.items())
+             if st.data_endpoint]  # a per-vGPU one listens off-host as surely as the default
     remote = [(k, ep) for k, ep in (("endpoints.client", cfg.client), ("endpoints.executor", cfg.executor),
-                                    ("endpoints.ctl", cfg.ctl),
-                                    ("executor.data_endpoint", cfg.executor_defaults.endpoint_for(0)))
+                                    ("endpoints.ctl", cfg.ctl), *data)
               if not _LOOPBACK.match(ep)]
     if remote and not curve:
         k, ep = remote[0]

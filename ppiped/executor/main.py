@@ -45,6 +45,7 @@ from ..daemon.config import (
     BACKENDS,
     ConfigError,
     ServeConfig,
+    check_data_endpoint,
     check_endpoint,
     format_ranges,
     ipc_taken,
@@ -823,7 +824,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config)
         vgpus = vgpu_ids(args.vgpu, "--vgpu", MAX_VGPUS_PER_PROCESS)
         if args.data_endpoint:
-            check_endpoint(args.data_endpoint, "--data-endpoint", "flags", cfg.allow_remote)
+            check_data_endpoint(args.data_endpoint, "--data-endpoint", cfg)
         if args.scheduler:
             check_endpoint(args.scheduler, "--scheduler", "flags", cfg.allow_remote)
         if args.key:
