@@ -53,3 +53,27 @@ def test_scheduler_unit_hardening():
     for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "NoNewPrivileges=yes",
                  "ProtectSystem=strict", "ProtectHome=yes", "StateDirectory=ppiped", "RuntimeDirectory=ppiped"):
         assert line in text
+
+
+def test_executors_can_bind_the_documented_ipc_data_endpoint():
+    """The example config puts ipc:// data sockets in /run/ppiped: under ProtectSystem=strict the
+    executor unit may write there only as its RuntimeDirectory, and neither unit's restart may
+    delete the sockets (it could not bind them; a scheduler restart would have removed them)."""
+    assert "ipc:///run/ppiped/" in (ROOT / "plans" / "ppiped.toml").read_text()
+    for unit in ("ppiped.service", "ppiped-executor@.service"):
+        text = (ROOT / "systemd" / unit).read_text()
+        assert "RuntimeDirectory=ppiped\n" in text and "RuntimeDirectoryPreserve=yes" in text, unit
+
+
+def test_readme_install_enables_the_target_and_every_example_vgpu():
+    """Enabling the services only links them into ppiped.target; without enabling the target
+    nothing started at boot. The example plan has 16 vGPUs; the install started 4."""
+    readme = (ROOT / "README.md").read_text()
+    install = readme[readme.index("## Install as services"):]
+    install = install[:install.index("```\n", install.index("```sh") + 5)]
+    assert "systemctl enable ppiped.target" in install
+    import json
+
+    plan = json.loads((ROOT / "plans" / "example" / "plan.json").read_text())
+    n = sum(q["num_vgpus"] for m in plan["models"] for p in m["pipelines"] for q in p["partitions"])
+    assert f"seq 0 {n - 1}" in install
