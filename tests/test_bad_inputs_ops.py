@@ -72,6 +72,16 @@ def test_executor_will_not_listen_off_host_without_curve(tmp_path):
     refused(p, "leaves this host, so security.curve must be true")
 
 
+def test_one_executor_process_refuses_vgpus_configured_apart(tmp_path):
+    """[executors.1] named another backend and data endpoint than vGPU 0; one process serving
+    both registered vGPU 0's for both and ran vGPU 1 unlike what status said."""
+    cfg = executor_config(tmp_path)
+    cfg.write_text(cfg.read_text() + f'[executors.1]\ndata_endpoint = "ipc://{tmp_path}/special1.sock"\n')
+    p = run_cli(["ppiped.executor.main", "--config", str(cfg), "--vgpu", "0,1"], timeout=30)
+    refused(p, "executors.1.data_endpoint is")
+    assert "start vGPU 1 in a process of its own" in p.stderr
+
+
 def test_executor_on_a_taken_tcp_port_says_so_in_one_line(tmp_path):
     cfg = executor_config(tmp_path)
     with socket.socket() as s:

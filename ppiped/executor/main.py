@@ -247,6 +247,13 @@ class Executor:
         self.vgpus = list(vgpus)
         self.backend_override = backend
         first = cfg.executor_settings(self.vgpus[0])
+        for v in self.vgpus[1:]:  # one process registers one endpoint and one backend for all
+            other = cfg.executor_settings(v)
+            for key in ("backend", "data_endpoint"):
+                if getattr(other, key) != getattr(first, key) and not (key == "backend" and backend):
+                    raise ConfigError(f"{cfg.source}: executors.{v}.{key} is {getattr(other, key)!r} but vGPU "
+                                      f"{self.vgpus[0]}'s is {getattr(first, key)!r}; one process serves its "
+                                      f"vGPUs with one: start vGPU {v} in a process of its own")
         self.data_endpoint = data_endpoint or first.endpoint_for(self.vgpus[0])
         self.scheduler = scheduler or cfg.executor
         self.incarnation = int.from_bytes(os.urandom(4), "little")
