@@ -211,13 +211,16 @@ def gpus_used(pools: Iterable[tuple[str, int, str, int, int]], share_gpus: bool 
 SERVING_RULES = ("unsafe-cut",)
 
 
-def refuse_for_serving(plan: Plan, profiles: dict[str, Profile]) -> None:
+def refuse_for_serving(plan: Plan, profiles: dict[str, Profile]) -> list[Violation]:
     """Raise PlanError for a plan the daemon must not serve: one cutting a model where its
     profile found the fp16 hop changes the output (served, answers were off by half the
-    output's range). Other broken rules are logged and served (the data plane copes)."""
-    bad = [v for v in check(plan, profiles) if v.rule in SERVING_RULES]
+    output's range). Returns the other broken rules, which are logged and served (the data
+    plane copes)."""
+    vs = check(plan, profiles)
+    bad = [v for v in vs if v.rule in SERVING_RULES]
     if bad:
         raise PlanError(f"{plan.source}: not served: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+    return vs
 
 
 # --- the checker --------------------------------------------------------------------------

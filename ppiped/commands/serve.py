@@ -50,15 +50,13 @@ def run(args: argparse.Namespace) -> int:
     import uvloop
 
     from ..daemon.server import Server
-    from ..plan import SERVING_RULES, check, refuse_for_serving
+    from ..plan import refuse_for_serving
 
     logs.setup(args.log_level)
     log = logs.get("ppiped.serve")
     cfg = load_config(args.config)
     plan, profiles = load_serving(cfg, args.plan)
-    refuse_for_serving(plan, profiles)
-    for v in check(plan, profiles):  # served anyway: the data plane copes, but say so
-        if v.rule not in SERVING_RULES:
-            log.warning("plan-rule-broken", plan=plan.source, violation=str(v))
+    for v in refuse_for_serving(plan, profiles):  # served anyway: the data plane copes, but say so
+        log.warning("plan-rule-broken", plan=plan.source, violation=str(v))
     server = Server(cfg, plan, profiles)
     return uvloop.run(server.run())

@@ -308,9 +308,7 @@ def _executor_settings(t: _Table, base: ExecutorSettings, allow_remote: bool, fo
         raise ConfigError(f"{t.source}: {t.key('backend')}: expected one of {', '.join(BACKENDS)}, "
                           f"got {s.backend!r}")
     if s.data_endpoint:
-        if s.data_endpoint.startswith("inproc://"):  # peers in other processes could never reach it
-            raise ConfigError(f"{t.source}: {t.key('data_endpoint')}: a data endpoint is reached by other "
-                              f"processes: ipc:// or tcp://, not {s.data_endpoint!r}")
+        _not_inproc(s.data_endpoint, f"{t.source}: {t.key('data_endpoint')}")
         if s.data_endpoint.startswith("ipc://"):
             s = replace(s, data_endpoint=check_endpoint(s.data_endpoint, t.key("data_endpoint"), t.source,
                                                         allow_remote, folder))
@@ -419,12 +417,17 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
 _LOOPBACK = re.compile(r"^(ipc://|inproc://|tcp://(127\.0\.0\.1|localhost|\[::1\]):)")
 
 
+def _not_inproc(ep: str, where: str) -> str:
+    """A data endpoint is reached by other processes: an in-process one lost every batch."""
+    if ep.startswith("inproc://"):
+        raise ConfigError(f"{where}: a data endpoint is reached by other processes: ipc:// or tcp://, not {ep!r}")
+    return ep
+
+
 def check_data_endpoint(ep: Any, key: str, cfg: ServeConfig) -> str:
     """An executor's data endpoint given on its command line: checked as the config's are, and
     refused before anything binds when it leaves the host without CURVE, or is in-process only."""
-    ep = check_endpoint(ep, key, "flags", cfg.allow_remote)
-    if ep.startswith("inproc://"):
-        raise ConfigError(f"{key}: a data endpoint is reached by other processes: ipc:// or tcp://, not {ep!r}")
+    ep = _not_inproc(check_endpoint(ep, key, "flags", cfg.allow_remote), key)
     if not _LOOPBACK.match(ep) and not cfg.security.curve:
         raise ConfigError(f"{key}: {ep!r} leaves this host, so security.curve must be true in {cfg.source}")
     return ep
