@@ -54,7 +54,16 @@ from .config import (
     tensor_frame_cap,
 )
 from .ctl_server import CtlServer
-from .loop import Reader, Timers, now_us, pin_this_thread, send_parts, unavailable_cpus, zmq_context
+from .loop import (
+    Reader,
+    Timers,
+    has_input,
+    now_us,
+    pin_this_thread,
+    send_parts,
+    unavailable_cpus,
+    zmq_context,
+)
 from .metrics import Metrics, MetricsServer
 from .replan import RateMeter, Replanner
 
@@ -931,7 +940,7 @@ class Server:
         before a reply goes: a client that took a closed connection's identity (its socket may
         even reuse the FD) is never mistaken for the first, whichever reader the loop ran first."""
         ev = self.client_events
-        while ev is not None and ev.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while ev is not None and has_input(ev):  # the ctypes ZMQ_EVENTS read, as Reader's (per message)
             self.on_client_event(ev.recv_multipart())
 
     def connection_holds(self, ident: bytes, gen: int, n: int) -> bool:
