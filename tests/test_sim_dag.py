@@ -127,6 +127,15 @@ def test_the_downstream_estimate_keeps_each_stage_its_planned_share_in_engine_an
         assert rest > max(live, planned) + 1.0
 
 
+def test_the_options_jitter_holds_unless_sigma_is_given(plans):
+    """options=SimOptions(sigma=0) without sigma ran at the default 0.05: two sources, one value."""
+    kw = {"duration_s": 1.0, "seed": 3}
+    exact = simulate_apps(plans["chain"], PROFILES, 1.2, "e2e", sigma=0.0, **kw).to_json(speed=False)
+    via = simulate_apps(plans["chain"], PROFILES, 1.2, "e2e", options=SimOptions(sigma=0.0), **kw)
+    noisy = simulate_apps(plans["chain"], PROFILES, 1.2, "e2e", **kw)
+    assert via.to_json(speed=False) == exact != noisy.to_json(speed=False)
+
+
 def test_same_seed_same_numbers(plans):
     r1 = simulate_apps(plans["chain"], PROFILES, 1.2, "e2e", duration_s=2.0, seed=3)
     r2 = simulate_apps(plans["chain"], PROFILES, 1.2, "e2e", duration_s=2.0, seed=3)

@@ -309,17 +309,17 @@ def app_capacity_qps(plan: Plan, app: App) -> float:
 
 
 def simulate_apps(plan: Plan, profiles: Mapping[str, Any], load_factor: float, mode: str = "e2e",
-                  policy: str | None = None, duration_s: float = 20.0, seed: int = 0, sigma: float = 0.05,
+                  policy: str | None = None, duration_s: float = 20.0, seed: int = 0, sigma: float | None = None,
                   kind: str = "poisson", cv: float = 2.0, layout: Layout | None = None,
                   options: SimOptions | None = None, trace_scale: str = "stretch"):
     """Every app of ``plan`` at ``load_factor`` × its planned query rate, plain models at theirs
     (as :func:`ppiped.sim.run.run_load_factor` loads them); deadlines by ``mode``, ``policy``
     by default the mode's (:data:`SYSTEMS`). ``options`` (a ``SimOptions``) sets the simulated
-    world as for :func:`ppiped.sim.run.simulate`, ``sigma`` overriding its jitter."""
+    world as for :func:`ppiped.sim.run.simulate`; ``sigma``, when given, overrides its jitter."""
     from .run import SimOptions, Simulation
 
     opt = options or SimOptions()
-    if sigma != opt.sigma:
+    if sigma is not None:
         opt = replace(opt, sigma=sigma)
 
     if not plan.apps:
