@@ -210,11 +210,14 @@ class Peers(Message):
 
 class Heartbeat(Message):
     """E→S. ``unreachable`` (optional, trailing): next-hop vGPUs the executor gave up forwarding
-    to since its last heartbeat (no endpoint in its directory, or no connection)."""
+    to since its last heartbeat (no endpoint in its directory, or no connection). ``loading``
+    (optional, trailing): it is alive but still loading its assignment, so it is neither silent
+    nor ready (an engine load may take minutes)."""
 
     clock_us: Clock
     queued: UInt
     unreachable: UInts = []
+    loading: bool = False
 
 
 Tag = Annotated[bytes, msgspec.Meta(max_length=64)]
@@ -321,6 +324,10 @@ def _bytes(x: Any) -> bool:
     return type(x) is bytes
 
 
+def _bool(x: Any) -> bool:
+    return type(x) is bool
+
+
 def _list(x: Any) -> bool:
     return type(x) is list
 
@@ -339,7 +346,7 @@ def _tags(x: Any) -> bool:
 
 _CHECKS: dict[Any, tuple[Callable[[Any], bool], str]] = {
     UInt: (_uint, "unsigned int"), int: (_int, "int"), Clock: (_clock, "a clock in µs below 2^62"),
-    str: (_str, "string"),
+    str: (_str, "string"), bool: (_bool, "bool"),
     bytes: (_bytes, "bytes"), UInts: (_uints, "list of unsigned ints"), Ints: (_ints, "list of ints"), list: (_list, "list"),
     dict: (_dict, "map"), Any: (_any, "any"), Tags: (_tags, "list of byte strings of at most 64 bytes")}
 
@@ -524,8 +531,10 @@ def peers(directory: dict[int, str]) -> bytes:
     return _pack([VERSION, _t.PEERS, flat])
 
 
-def heartbeat(clock_us: int, queued: int, unreachable: Sequence[int] = ()) -> bytes:
-    """``unreachable`` only when there are some: the bytes of a plain heartbeat stay as before."""
+def heartbeat(clock_us: int, queued: int, unreachable: Sequence[int] = (), loading: bool = False) -> bytes:
+    """The trailing fields only when set: the bytes of a plain heartbeat stay as before."""
+    if loading:
+        return _pack([VERSION, _t.HEARTBEAT, clock_us, queued, list(unreachable), True])
     if unreachable:
         return _pack([VERSION, _t.HEARTBEAT, clock_us, queued, list(unreachable)])
     return _pack([VERSION, _t.HEARTBEAT, clock_us, queued])

@@ -116,7 +116,15 @@ DATA_KEY = KEYS[0]
 def welcome(sched, ident, vgpus, data_key=None):
     key = KEYS[vgpus[0]] if data_key is None else data_key
     sched.send(ident, wire.welcome([assignment(v, v, v == 1) for v in vgpus], 50, key))
-    sched.recv(T.HEARTBEAT)
+    loaded(sched)
+
+
+def loaded(sched, timeout_s=10.0):
+    """The first heartbeat of a loaded executor (the ones sent while loading say so)."""
+    end = time.monotonic() + timeout_s
+    while (h := sched.recv(T.HEARTBEAT, max(0.1, end - time.monotonic()))[1]).loading:
+        pass
+    return h
 
 
 def dispatch(batch, path, starts, ids, keys=None):
@@ -345,7 +353,7 @@ def test_ort_control_stays_responsive_during_a_long_inference(sched, tmp_path):
     ident, _, _ = sched.recv(T.REGISTER)
     a = assignment(0, 0, True)
     sched.send(ident, wire.welcome([a], 50))
-    sched.recv(T.HEARTBEAT, timeout_s=30)
+    loaded(sched, timeout_s=30)
     sched.send(ident, wire.dispatch(1, [0], [0], [7]), x.tobytes())
     sent = now_us()
     time.sleep(0.2)  # the run is under way
@@ -528,3 +536,40 @@ def test_batch_ids_of_a_restarted_scheduler_are_not_taken_for_replays(sched, tmp
     for p in procs:
         p.terminate()
         p.wait(timeout=10)
+
+
+def test_a_slow_load_heartbeats_as_loading_and_serves_the_last_welcome(sched, tmp_path):
+    """An engine load may outlast the heartbeat timeout: the executor says it is loading (so
+    the scheduler neither drops it as silent nor dispatches to it), and a WELCOME that came
+    meanwhile with another assignment is loaded next, never the stale one served."""
+    cfg = write_config(tmp_path, extra="emulate_load_ms = 1200")
+    p = sched.spawn(cfg, "0", "--log-level", "info")
+    ident, _, _ = sched.recv(T.REGISTER)
+    first = [assignment(0, 0, False)]
+    second = [wire.Assignment(0, "tiny", 0, 1, 1, 2, "CPU", 1, 0, True, LAT, [0.0] * len(LAT)).to_wire()]
+    sched.send(ident, wire.welcome(first, 50, KEYS[0]))
+    beats = [sched.recv(T.HEARTBEAT)[1] for _ in range(3)]
+    assert all(h.loading for h in beats)  # while the first load runs (1.2 s): alive, not ready
+    sched.send(ident, wire.welcome(second, 50, KEYS[0]))
+    h = loaded(sched, timeout_s=20)
+    assert not h.loading
+    t0 = now_us()
+    sched.send(ident, dispatch(3, [0], [t0], [1]), b"x")
+    _, h, frames = sched.recv(T.RESULT)
+    assert h.batch == 3 and frames == [b"x"]
+    p.terminate()
+    assert p.wait(timeout=20) == 0
+    loads = [line for line in p.stderr.read().splitlines() if " loaded " in line and "vgpu=0" in line]
+    assert len(loads) == 2 and "partition=1" in loads[-1], loads
+
+
+def test_sigterm_during_a_long_load_exits_at_once(sched, tmp_path):
+    cfg = write_config(tmp_path, extra="emulate_load_ms = 600000")  # a 10-minute engine build
+    p = sched.spawn(cfg, "0")
+    ident, _, _ = sched.recv(T.REGISTER)
+    sched.send(ident, wire.welcome([assignment(0, 0, True)], 50, KEYS[0]))
+    assert sched.recv(T.HEARTBEAT)[1].loading
+    p.terminate()
+    assert p.wait(timeout=30) == 0  # not after the load
+    _, h, _ = sched.recv(T.BYE)
+    assert h.vgpus == [0]

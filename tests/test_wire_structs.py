@@ -24,7 +24,8 @@ from ppiped.wire import ProtocolError, T
 # (WELCOME.data_key and DISPATCH/FORWARD.tags came later, as optional trailing fields, B: a list of
 # byte strings of at most 64 bytes (hop tags); c: an executor's
 # clock, 0 <= x < 2^62 µs, came later too: a clock near 2^64 overflowed the DISPATCHes built on it;
-# HEARTBEAT.unreachable came later, optional and trailing: next hops an executor could not reach;
+# HEARTBEAT.unreachable came later, optional and trailing: next hops an executor could not reach,
+# and HEARTBEAT.loading (o: a bool) after it: alive but still loading its assignment;
 # SUBMIT.epoch and QUERY.epoch too: the scheduler epoch the client knew when it sent)
 OLD_SCHEMA = {
     T.SUBMIT: "model:s slo_us:u ids:U priority:u sent_us:u epoch:u",
@@ -37,7 +38,7 @@ OLD_SCHEMA = {
     T.REGISTER: "vgpus:U data_endpoint:s backend:s pid:u clock_us:c incarnation:u",
     T.WELCOME: "assignments:l heartbeat_ms:u data_key:b",
     T.PEERS: "directory:l",
-    T.HEARTBEAT: "clock_us:c queued:u unreachable:U",
+    T.HEARTBEAT: "clock_us:c queued:u unreachable:U loading:o",
     T.DISPATCH: "batch:u path:U starts:I ids:U tags:B",
     T.FORWARD: "batch:u path:U starts:I hop:u ids:U meta:a tags:B",
     T.RESULT: "batch:u ids:U meta:a failed:l feedback:I",
@@ -50,7 +51,7 @@ OLD_SCHEMA = {
 }
 # trailing fields that may be left out, with the values they then take
 OLD_OPTIONAL = {T.SUBMIT: (0, 0, 0), T.QUERY: (0, 0, 0, 0), T.WELCOME: (b"",), T.DISPATCH: ([],), T.FORWARD: ([],),
-                T.HEARTBEAT: ([],)}
+                T.HEARTBEAT: ([], False)}
 FIELDS = {t: [f.split(":") for f in spec.split()] for t, spec in OLD_SCHEMA.items()}
 
 _OK = {
@@ -65,6 +66,7 @@ _OK = {
     "l": lambda x: type(x) is list,
     "d": lambda x: type(x) is dict,
     "a": lambda x: True,
+    "o": lambda x: type(x) is bool,
 }
 
 
@@ -105,7 +107,8 @@ KINDS = {"u": uints, "i": ints, "c": st.integers(0, 2**62 - 1), "s": st.text(max
          "B": st.lists(st.binary(max_size=64), max_size=4),
          "U": st.lists(uints, max_size=40),
          "I": st.lists(ints, max_size=40), "l": st.lists(values, max_size=4),
-         "d": st.dictionaries(st.text(max_size=6), values, max_size=4), "a": values}
+         "d": st.dictionaries(st.text(max_size=6), values, max_size=4), "a": values,
+         "o": st.booleans()}
 
 
 @st.composite
@@ -137,7 +140,8 @@ def test_constructors_and_structs_write_the_old_bytes_and_read_them_back(msg):
         short = fields if epoch else fields[:5] if sent else fields[:4] if prio else fields[:3]  # trailing zeros left out
         assert wire.submit(*fields) == msgpack.packb([wire.VERSION, t, *short])
     elif t == T.HEARTBEAT:
-        short = fields if fields[2] else fields[:2]  # nothing unreachable is left out
+        # not loading is left out, and then nothing unreachable too
+        short = fields if fields[3] else fields[:3] if fields[2] else fields[:2]
         assert wire.heartbeat(*fields) == msgpack.packb([wire.VERSION, t, *short])
     elif t == T.QUERY:
         short = fields if fields[6] else fields[:6]  # a zero epoch is left out

@@ -1276,7 +1276,7 @@ class Server:
                 ex.clock_sample(h.clock_us, t)
                 if h.unreachable:
                     self._peer_unreachable(ex, h.unreachable, t)
-                if not ex.ready and not ex.rewelcome:
+                if not ex.ready and not ex.rewelcome and not h.loading:
                     self.ready(ex)
             elif kind == T.REGISTER:
                 self.on_register(ident, h, peer_key(msg[1]))

@@ -266,6 +266,9 @@ class Executor:
         self.fb_scheduled = False
         self.registered = False
         self.loading = False
+        # a WELCOME that came while loading: loaded next if it differs (the scheduler's latest
+        # word is what it dispatches for, so the one being loaded must not be served instead)
+        self.pending: tuple[list[wire.Assignment], Any] | None = None
         self.assign_key: Any = None
         self.prep: Prep | None = None
         self.hb_ms = cfg.heartbeat_interval_ms
@@ -464,12 +467,15 @@ class Executor:
         assignments = [wire.Assignment.from_wire(x) for x in raw]
         self.hb_ms = hb_ms or self.hb_ms
         key = [a.to_wire() for a in assignments]
+        if self.loading:
+            self.pending = (assignments, key)
+            return
         if key == self.assign_key and self.workers:
             self.ready()
             return
-        if self.loading:
-            return
         self.loading = True
+        self.hb_gen += 1
+        self.heartbeat(self.hb_gen)  # alive while loading (for minutes, maybe): not silent, not ready
         p = self.prep
         if p is not None and p.key == key:  # the switch to a preloaded assignment: swap
             self.prep = None
@@ -566,10 +572,9 @@ class Executor:
         old = [w for v, w in self.workers.items() if new.get(v) is not w]
         self.workers = new
         self.assign_key = key
-        self.loading = False
         log.info("switched", prep=p.id, vgpus=format_ranges(list(new)), swapped=len(p.workers))
-        self.ready()
         self._close_workers(old)
+        self._loaded(key)
 
     def _send_ctl(self, msg: bytes) -> None:
         with contextlib.suppress(zmq.Again):
@@ -597,8 +602,23 @@ class Executor:
             return
         self.workers = workers
         self.assign_key = key
+        self._loaded(key)
+
+    def _loaded(self, key: Any) -> None:
+        """The assignment ``key`` is loaded: ready, unless a WELCOME that came meanwhile asks for
+        another one, which is loaded first."""
+        p, self.pending = self.pending, None
+        if p is not None and p[1] != key and not self.stopped.done():
+            log.info("reloading", reason="a newer WELCOME came while loading")
+            self.loop.create_task(self._load(*p))
+            return
         self.loading = False
         self.ready()
+
+    def load_in_flight(self) -> bool:
+        """A backend load still running in a thread (it cannot be interrupted)."""
+        return self.loading or (self.prep is not None and self.prep.task is not None
+                                and not self.prep.task.done())
 
     def _model_source(self, s: Any, a: wire.Assignment, fields: dict) -> tuple[tuple, Path]:
         """The partition graph: the ``executor.partitions`` file, else cut from the profiled model
@@ -633,12 +653,12 @@ class Executor:
             self.heartbeat(self.hb_gen)
 
     def heartbeat(self, gen: int) -> None:
-        if self.stopped.done() or not self.registered or gen != self.hb_gen:
+        if self.stopped.done() or not (self.registered or self.loading) or gen != self.hb_gen:
             return
         queued = sum(len(w.heap) + w.busy for w in self.workers.values())
         unreachable, self.unreachable = sorted(self.unreachable), set()
         with contextlib.suppress(zmq.Again):
-            self.ctl.send(wire.heartbeat(now_us(), queued, unreachable), zmq.NOBLOCK)
+            self.ctl.send(wire.heartbeat(now_us(), queued, unreachable, self.loading), zmq.NOBLOCK)
         self.ctl_reader.kick()
         self.timers.call_at(now_us() + self.hb_ms * 1000, self.heartbeat, gen)
 
@@ -814,6 +834,15 @@ def _where(a: wire.Assignment | None) -> dict:
             "blocks": f"[{a.start},{a.end})"}
 
 
+async def _cancel_the_rest() -> None:
+    """What ``asyncio.run`` does after its coroutine: cancel the tasks left, join the threads."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_default_executor()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ppiped-executor",
                                  description="Run the partitions of one or more vGPUs for a ppiped scheduler.")
@@ -840,12 +869,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         print(f"ppiped-executor: error: {e}", file=sys.stderr)
         return 2
-    try:
-        import uvloop
+    import uvloop
 
-        return uvloop.run(exe.run())
+    loop = uvloop.new_event_loop()
+    try:
+        code = loop.run_until_complete(exe.run())
+        if exe.load_in_flight():
+            # a backend load blocks its thread until it ends (an engine build may take minutes)
+            # and both the loop's close and the interpreter's exit would wait for it: leave now
+            log.warning("exit-mid-load", vgpus=format_ranges(exe.vgpus))
+            with contextlib.suppress(OSError, ValueError):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+        loop.run_until_complete(_cancel_the_rest())
     except KeyboardInterrupt:
         return 130
+    finally:
+        loop.close()
+    return code
 
 
 if __name__ == "__main__":
