@@ -115,6 +115,9 @@ from .state import (
     X_M_PGAP,
     X_M_ROOM,
     X_M_ROOM_B,
+    X_V_HEARD,
+    MARGIN_RELAX_SLOS,
+    MARGIN_STALE_SLOS,
     X_M_SHARE,
     X_MODEL_PIPE0,
     X_OD_BS,
@@ -564,6 +567,41 @@ def _pressure(A, F, m, now):
     F[off(A, X_Q_HBF) + m] = now + F[off(A, X_M_HOLD) + m]
 
 
+@njit(none(I1, F1, i8, f8), cache=True)
+def _relax(A, F, m, now):
+    """Model ``m`` drops because no batch meets a deadline: each vGPU of its pools that has not
+    reported for ``MARGIN_STALE_SLOS`` SLOs has its margins relaxed towards 1, with time
+    constant ``MARGIN_RELAX_SLOS`` SLOs of that silence.
+
+    Why: margins learn only from reports. After a slow spell (a throttled GPU, a busy MPS
+    neighbour) they can make every path miss the SLO, or keep a vGPU off every chosen path;
+    then nothing is dispatched to it, nothing reports, and the model would stay unserved (or
+    short of its vGPUs) for as long as its traffic lasts. A silent vGPU's margins are stale
+    evidence; relaxed, they let a batch through, whose report sets them anew (_report_one):
+    high again if the spell goes on (one batch per few SLOs is risked), or low if it is over.
+    A vGPU that reports keeps its margins, so this never acts while batches flow. Idempotent
+    at one ``now``."""
+    o_h = off(A, X_V_HEARD)
+    o_pv = off(A, X_POOL_V0)
+    o_p0 = off(A, X_PIPE_POOL0)
+    o_np = off(A, X_PIPE_NPOOLS)
+    o_mp = off(A, X_MODEL_PIPE0)
+    stale = MARGIN_STALE_SLOS * F[off(A, X_M_HOLD) + m]
+    tau = MARGIN_RELAX_SLOS * F[off(A, X_M_HOLD) + m]
+    for p in range(A[o_mp + m], A[o_mp + m + 1]):
+        for pool in range(A[o_p0 + p], A[o_p0 + p] + A[o_np + p]):
+            for v in range(A[o_pv + pool], A[o_pv + pool + 1]):
+                heard = F[o_h + 2 * v]
+                if now - heard <= stale:
+                    continue
+                dt = now - max(heard + stale, F[o_h + 2 * v + 1])
+                if dt > 0.0:
+                    f = np.exp(-dt / tau)
+                    for o in (off(A, X_V_MARGIN) + v, off(A, X_V_MARGIN_HI) + v):
+                        F[o] = 1.0 + (F[o] - 1.0) * f
+                    F[o_h + 2 * v + 1] = now
+
+
 @njit(i8(I1, F1, i8, i8), cache=True)
 def _drop_all(A, F, q, reason):
     dq = queues_desc(A)
@@ -958,6 +996,7 @@ def _ppipe_queue(A, F, m, now):
                 return status
             # (set once the drops are out, so that a call repeated after FULL_OUT probes alike)
             _pressure(A, F, m, now)
+            _relax(A, F, m, now)
             continue
         # 3a. no batch size fits: drop every request that no probed size serves in time
         if chosen == 0:
@@ -965,6 +1004,7 @@ def _ppipe_queue(A, F, m, now):
             if status != OK:
                 return status
             _pressure(A, F, m, now)
+            _relax(A, F, m, now)
             continue
         take = chosen
         buf = cbuf
@@ -1365,8 +1405,18 @@ def _report_one(A, F, h, a, b):
     if correct(F, A, tables_desc(A), r, h, a, b, horizon, A[H_PULL] != 0 and r < A[H_V]) != 0:
         return FULL_TABLE  # nothing changed, the margin included: the call is repeated
     if learn:
-        _learn_margin(A, F, r, prof, b - a)
+        o = off(A, X_V_HEARD) + 2 * r
+        if prof > 0.0 and F[o + 1] > F[o]:
+            # the first use since its margins were relaxed (see _relax) says where they stand:
+            # still slow, and the vGPU is off the paths again after one batch; well, and it serves
+            x = min(max((b - a) / prof, 1.0), F[F_MARGIN_MAX])
+            F[off(A, X_V_MARGIN) + r] = x
+            F[off(A, X_V_MARGIN_HI) + r] = x
+            A[off(A, X_V_NREP) + r] += 1
+        else:
+            _learn_margin(A, F, r, prof, b - a)
         if prof > 0.0:
+            F[o] = max(F[o], b)
             _learn_room(A, F, r, h, b)
     return OK
 

@@ -218,6 +218,7 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("m_share", "f", ("M", "SHARE")),  # the SH_* columns: window, counts, rates, tokens
     ("m_near", "i", ("M", "M")),  # 1 where two models have vGPUs on a common server (share its NIC)
     ("m_room_b", "f", ("M",)),
+    ("v_heard", "f", ("V", "TWO")),  # per vGPU: its last report's end, the margins' last relaxation
 )
 # section indices, in SECTIONS order (tests check they agree)
 X_V_SERVER = 0
@@ -313,6 +314,9 @@ X_M_PARD = 88  # per model: 1 where PARD's proactive drops and high-budget-first
 X_M_SHARE = 89
 X_M_NEAR = 90
 X_M_ROOM_B = 91  # per model: the room for bursts within the planned rate, a lower quantile (ROOM_Q_BURST)
+X_V_HEARD = 92
+MARGIN_STALE_SLOS = 5.0  # a vGPU silent this many SLOs has margins that may be stale ...
+MARGIN_RELAX_SLOS = 2.0  # ... and they relax towards 1 with this time constant (see _relax)
 SH_W0, SH_N, SH_RATE, SH_TOK, SH_T, SH_NA, SH_ARATE = 0, 1, 2, 3, 4, 5, 6
 SHARE_COLS = 7
 SHARE_OVER = 1.02  # a capped model may dispatch this much more than its planned rate

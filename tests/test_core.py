@@ -869,3 +869,33 @@ def test_cancel_withdraws_a_pending_request():
     w = s.decide(0.0).wake_at
     (d,) = s.decide(w).dispatches()
     assert d.request_ids == (2,)
+
+
+def test_margins_stale_after_a_slow_spell_relax_and_the_model_is_served_again():
+    """A slow spell drives the margins up until no path fits the SLO; nothing is dispatched
+    then, so no report can bring them down. Once the vGPUs have been silent for an SLO, every
+    drop relaxes their margins towards 1 until a batch fits, whose report then tells the truth.
+    (Before, the model stayed unserved for as long as its traffic lasted.) The reference agrees."""
+    plan, profs = _one_pool_case(nv=2, bs=1, lat=100.0, slo=300.0)
+    s = Scheduler(plan, profs)
+    ref = RefScheduler(s.layout, "ppipe")
+    t, rid = 0.0, 0
+    served = []
+    for factor in [5.0] * 400 + [1.0] * 400:  # one request per 150 µs, a 300 µs SLO
+        s.submit(rid, 0, t, t + 300.0)
+        ref.submit(rid, 0, t + 300.0, t)
+        rid += 1
+        acts = s.decide(t)
+        _same(_kernel_actions(acts), _ref_actions(ref.decide(t)))
+        served.append(sum(len(d.request_ids) for d in acts.dispatches()))
+        for d in acts.dispatches():
+            for r in d.reservations:
+                b = r.start_us + 100.0 * factor
+                s.report(r.handle, r.start_us, b)
+                ref.report(r.handle, r.start_us, b)
+        t += 150.0
+        s.gc(t - 1000.0)
+        ref.gc(t - 1000.0)
+    # the slow spell: one batch per vGPU now and then finds out that it goes on
+    assert sum(served[300:400]) <= 15, served[300:400]
+    assert sum(served[450:]) > 0.95 * 350, sum(served[450:])  # and soon after it, all are served

@@ -117,6 +117,7 @@ class RefScheduler:
         self.margin = [[1.0, 1.0] for _ in range(layout.num_vgpus)]
         self.mqs = (margin_quantile, margin_quantile_hi)
         self.nrep = [0] * layout.num_vgpus  # reports learned from; below 32 the prior stands in
+        self.heard = [[0.0, 0.0] for _ in range(layout.num_vgpus)]  # last report's end, last relaxation
         self.prior = margin_prior
         self.noise_z = noise_z
         # per vGPU, (handle, profiled length, booked path end if it was the last hop) of its
@@ -332,10 +333,12 @@ class RefScheduler:
                 # take from the high-budget end for the model's SLO
                 self.hbf_until[m] = now + float(L.slo_us[m])
                 self._drop_before(q, f_b, s_lo, s_hi, "early-drop", drops)
+                self._relax(m, now)
                 continue
             if chosen == 0:
                 self.hbf_until[m] = now + float(L.slo_us[m])
                 self._drop_before(q, fmin, s_lo, s_hi, "early-drop" if self.early else "deadline", drops)
+                self._relax(m, now)
                 continue
             take = chosen
             if n < chosen:
@@ -375,6 +378,22 @@ class RefScheduler:
             self.share[m][1] += take
             self.share[m][3] = max(self.share[m][3] - take, 1.0 - take)
         return INF
+
+    def _relax(self, m: int, now: float) -> None:
+        """Margins of the model's vGPUs silent for a while relax towards 1 (stale after a slow spell)."""
+        L = self.L
+        slo = float(L.slo_us[m])
+        for p in L.pipelines_of(m):
+            for pool in range(int(L.pipe_pool0[p]), int(L.pipe_pool0[p]) + int(L.pipe_npools[p])):
+                for v in range(int(L.pool_v0[pool]), int(L.pool_v0[pool + 1])):
+                    heard, last = self.heard[v]
+                    if now - heard <= S.MARGIN_STALE_SLOS * slo:
+                        continue
+                    dt = now - max(heard + S.MARGIN_STALE_SLOS * slo, last)
+                    if dt > 0:
+                        f = math.exp(-dt / (S.MARGIN_RELAX_SLOS * slo))
+                        self.margin[v] = [1.0 + (x - 1.0) * f for x in self.margin[v]]
+                        self.heard[v][1] = now
 
     @staticmethod
     def _drop_before(q: list, f: float, s_lo: float, s_hi: float, reason: str, drops: list) -> None:
@@ -508,10 +527,14 @@ class RefScheduler:
         if hh == h and prof > 0:
             x = took / prof
             self.nrep[v] += 1
-            for i, q in enumerate(self.mqs):
-                m = self.margin[v][i]
-                m *= math.exp(self.mstep * q) if x > m * (1 + 1e-9) else math.exp(-self.mstep * (1 - q))
-                self.margin[v][i] = min(max(m, 1.0), self.mmax)
+            if self.heard[v][1] > self.heard[v][0]:  # the first use since a relaxation sets them
+                self.margin[v] = [min(max(x, 1.0), self.mmax)] * 2
+            else:
+                for i, q in enumerate(self.mqs):
+                    m = self.margin[v][i]
+                    m *= math.exp(self.mstep * q) if x > m * (1 + 1e-9) else math.exp(-self.mstep * (1 - q))
+                    self.margin[v][i] = min(max(m, 1.0), self.mmax)
+            self.heard[v][0] = max(self.heard[v][0], end)
             if fin > -INF:  # the last hop of its path: the room learns how late paths end
                 self.recent[v][(h >> 20) % 16] = (hh, prof, -INF)
                 mi = int(self.L.v_model[v])
