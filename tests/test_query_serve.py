@@ -659,3 +659,33 @@ def test_the_daemon_logged_no_error(cluster):
     assert "query_internal_errors" not in st["counters"]
     log = (cluster.log_dir / "serve.log").read_text(errors="replace")
     assert "Traceback" not in log and "Exception in callback" not in log, log[-3000:]
+
+
+def test_a_replan_adds_an_app_with_new_glue_or_refuses_glue_that_does_not_import():
+    """The glue workers start with the daemon for the apps it serves; a replan whose apps need
+    other callables starts workers for them before the switch (or is refused, the plan in force
+    serving on), instead of switching to an app whose every query then fails."""
+    from ppiped import ctl
+
+    with short_tmpdir() as td:
+        d = Path(td)
+        plans = {}
+        for name, apps in (("none", []), ("pair", [app_json()]),
+                           ("broken", [app_json(glue="ppiped.query.testing_glue:nope")])):
+            (d / name).mkdir()
+            plans[name] = write_app_plan(d / name, apps)[0]
+        cfg = write_config(d, plans["none"], d / "none" / "profiles", heartbeat_ms=50, timeout_ms=1000)
+        with LocalCluster(cfg, [[0, 2, 4, 6], [1, 3, 5, 7]], log_level="info") as c:
+            sock = str(d / "admin.sock")
+            rp = ctl.call(sock, {"cmd": "replan", "plan_file": str(plans["pair"]), "wait": True}, 120)
+            assert rp["ok"], rp
+
+            async def query() -> list:
+                async with AsyncClient(c.client_endpoint) as cl:
+                    return [o.data for o in (await cl.submit_query("pair", tg.frame(2, b"n"))).outputs]
+
+            assert asyncio.run(query()) == [tg.frame(2, b"n") + bytes([j]) for j in range(2)]
+            rp = ctl.call(sock, {"cmd": "replan", "plan_file": str(plans["broken"]), "wait": True}, 120)
+            assert not rp["ok"] and "glue ppiped.query.testing_glue:nope" in rp["error"], rp
+            assert asyncio.run(query()) == [tg.frame(2, b"n") + bytes([j]) for j in range(2)]
+            assert "query_internal_errors" not in c.status()["counters"]

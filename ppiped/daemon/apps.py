@@ -113,11 +113,8 @@ class Queries:
         self.apps: dict[str, App] = {}
         self.stats: dict[str, AppStats] = {}
         self.live: dict[tuple[bytes, int], Query] = {}
-        self.pool: GluePool | None = None
         self.install(srv.plan.apps)
-        refs = sorted({s.glue for a in self.apps.values() for s in a.stages if s.glue})
-        if refs:
-            self.pool = GluePool(refs, cfg.glue_workers, cfg.glue_timeout_ms / 1000, cfg.glue_max_children)
+        self.pool: GluePool | None = self.pool_for(srv.plan.apps)
 
     def install(self, apps: list[App]) -> None:
         """The apps of the plan in force (checked against the deadline mode; stats kept by name)."""
@@ -134,22 +131,47 @@ class Queries:
             if a.name not in self.stats:
                 self.stats[a.name] = AppStats([s.name for s in a.stages])
 
-    def start(self) -> None:
-        """Start the glue workers (blocking, before the daemon serves): a callable that does not
-        import stops the daemon with a ConfigError naming the app, stage and callable."""
-        if self.pool is None:
-            return
+    def pool_for(self, apps: list[App]) -> GluePool | None:
+        """A glue pool (not started) for ``apps`` when the one running lacks some of their
+        callables, with the running one's too (its queries in flight may still call them)."""
+        need = {s.glue for a in apps for s in a.stages if s.glue}
+        have = set(self.pool.refs) if getattr(self, "pool", None) is not None else set()
+        if need <= have:
+            return None
+        cfg = self.srv.cfg
+        return GluePool(sorted(need | have), cfg.glue_workers, cfg.glue_timeout_ms / 1000, cfg.glue_max_children)
+
+    def start_pool(self, pool: GluePool, apps: list[App], source: str) -> None:
+        """Start ``pool``'s workers (blocking: before the daemon serves, or off the loop during a
+        replan); a callable that does not import is a ConfigError naming the app, stage and
+        callable, and the pool is closed."""
         try:
-            errors = self.pool.start()
+            errors = pool.start()
         except RuntimeError as e:
             raise ConfigError(f"{self.srv.cfg.source}: glue: {e}") from None
         if errors:
-            self.pool.close()
+            pool.close()
             lines = [f"app {a.name!r}, stage {s.name!r}: glue {s.glue}: {errors[s.glue]}"
-                     for a in self.apps.values() for s in a.stages if s.glue in errors]
-            raise ConfigError(f"{self.srv.plan.source}: cannot import glue callable(s): " + "; ".join(lines))
+                     for a in apps for s in a.stages if s.glue in errors]
+            raise ConfigError(f"{source}: cannot import glue callable(s): " + "; ".join(lines))
+
+    def start(self) -> None:
+        """Start the glue workers before the daemon serves: an import error stops it."""
+        if self.pool is None:
+            return
+        self.start_pool(self.pool, list(self.apps.values()), self.srv.plan.source)
         self.pool.attach(self.srv.loop)
         log.info("glue-workers", workers=self.pool.n, callables=",".join(self.pool.refs))
+
+    def swap_pool(self, pool: GluePool) -> None:
+        """A replan's started pool takes every new glue call; the old one stops once every query
+        from before the switch is over (none outlives ``limits.max_slo_ms``)."""
+        old, self.pool = self.pool, pool
+        pool.attach(self.srv.loop)
+        log.info("glue-workers", workers=pool.n, callables=",".join(pool.refs))
+        if old is not None:
+            cfg = self.srv.cfg
+            self.srv.loop.call_later((cfg.max_slo_ms + cfg.glue_timeout_ms) / 1000 + 1.0, old.close)
 
     def close(self) -> None:
         """Shutdown: answer every query still open, stop the glue workers."""

@@ -339,11 +339,18 @@ def cancel_preload(srv: Server) -> None:
 async def migrate(srv: Server, plan: Plan) -> dict[str, Any]:
     """Preload, hold, flush, switch, resume; returns the figures of the migration."""
     core = _new_core(srv, plan)  # 1. preload, while serving
+    # glue callables the new plan's apps add: their workers start off the loop, or the plan is refused
+    pool = srv.queries.pool_for(plan.apps)
+    if pool is not None:
+        await asyncio.get_running_loop().run_in_executor(
+            None, srv.queries.start_pool, pool, plan.apps, plan.source or "the new plan")
     switched = False
     try:
         preloaded, pre = await preload(srv, core)
     except BaseException:
         cancel_preload(srv)
+        if pool is not None:
+            pool.close()
         raise
     t_hold = now_us()
     srv.holding = True  # 2. hold
@@ -361,6 +368,8 @@ async def migrate(srv: Server, plan: Plan) -> dict[str, Any]:
         t_switch = now_us()
         moved, removed = switch(srv, plan, core)  # 4. switch
         switched = True
+        if pool is not None:
+            srv.queries.swap_pool(pool)
         try:
             save_plan_in_force(srv.cfg, plan, srv.plan_version)  # a restart serves it too
         except OSError as e:
@@ -375,6 +384,8 @@ async def migrate(srv: Server, plan: Plan) -> dict[str, Any]:
     except BaseException:
         if not switched:
             cancel_preload(srv)
+            if pool is not None:
+                pool.close()
         raise
     finally:
         srv.holding = False
