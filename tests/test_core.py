@@ -879,12 +879,11 @@ def test_margins_stale_after_a_slow_spell_relax_and_the_model_is_served_again():
     plan, profs = _one_pool_case(nv=2, bs=1, lat=100.0, slo=300.0)
     s = Scheduler(plan, profs)
     ref = RefScheduler(s.layout, "ppipe")
-    t, rid = 0.0, 0
+    t = 0.0
     served = []
-    for factor in [5.0] * 400 + [1.0] * 400:  # one request per 150 µs, a 300 µs SLO
+    for rid, factor in enumerate([5.0] * 400 + [1.0] * 400):  # one request per 150 µs, a 300 µs SLO
         s.submit(rid, 0, t, t + 300.0)
         ref.submit(rid, 0, t + 300.0, t)
-        rid += 1
         acts = s.decide(t)
         _same(_kernel_actions(acts), _ref_actions(ref.decide(t)))
         served.append(sum(len(d.request_ids) for d in acts.dispatches()))
