@@ -445,6 +445,29 @@ def test_a_failed_child_fails_the_query_once_withdraws_queued_stages_and_discard
         rig.close()
 
 
+def test_glue_children_are_bounded_by_max_pending_as_queries_are(tmp_path, monkeypatch):
+    """A glue's children queue under the same bound as the query did (before, one query's
+    fan-out queued up to max_children^depth requests past limits.max_pending)."""
+    rig = AppRig(tmp_path, monkeypatch)
+    srv = rig.srv
+    try:
+        srv.cfg.max_pending = 3
+        rig.query(1, tg.frame(5))
+        [(h, _)] = rig.dispatched()
+        rig.finish(h, h.ids)
+        rig.pool.calls[0][3]([b"c%d" % j for j in range(5)], "", "")
+        [(a, af)] = rig.answers()
+        assert (a.qid, a.status, a.reason, a.stage) == (1, Status.DROPPED, wire.OVERLOADED, "classify")
+        assert "limits.max_pending 3" in a.detail and af == []
+        cls = srv.model_index["cls"]
+        assert not srv.reqs and srv.core.pending(cls) == 0  # the children queued were withdrawn
+        st = srv.stats[cls]
+        assert st.accepted == st.answered == 3 and srv.counters["query_children_refused"] == 1
+        assert srv.queries.status()["apps"]["pair"]["dropped"] == {"classify": {wire.OVERLOADED: 1}}
+    finally:
+        rig.close()
+
+
 def test_a_query_whose_glue_makes_no_children_ends_with_its_root(tmp_path, monkeypatch):
     rig = AppRig(tmp_path, monkeypatch)
     try:

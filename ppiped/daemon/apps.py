@@ -381,6 +381,17 @@ class Queries:
                 self._answer(q)
                 return
             st = srv.stats[m]
+            # a glue's children count against the same bounds as the query itself did: one
+            # query must not queue max_children^depth requests past max_pending and the windows
+            why = (f"{len(srv.reqs)} requests queued (limits.max_pending {srv.cfg.max_pending})"
+                   if len(srv.reqs) >= srv.cfg.max_pending else
+                   f"model {stage.model!r}: {st.accepted - st.answered} requests in flight, admission "
+                   f"window {st.limit}" if st.accepted - st.answered >= st.limit else "")
+            if why:
+                st.limited = True
+                srv.counters["query_children_refused"] += 1
+                self._fail(q, stage.name, wire.OVERLOADED, why)
+                return
             sh = q.peer.shares.get(stage.model)
             if sh is None or sh.st is not st:
                 sh = q.peer.shares[stage.model] = Share(st)
