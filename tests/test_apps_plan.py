@@ -336,6 +336,12 @@ def test_cli_plans_apps_and_prints_the_split(profile_dir, tmp_path, capsys):
      "after = 'det'\nfanout = 0\nglue = 'ppiped.query.example_glue:crop'\n", "fanout is the mean number"),
     ("[[apps]]\nname = 'a'\nslo_ms = 100\nweight = 0\n[[apps.stages]]\nmodel = 'det'\n", "weight must be positive"),
     ("apps = 3\n", "'apps' must be a list"),
+    ("[[apps]]\nname = 'a'\nslo_ms = 100\n[[apps.stages]]\nmodel = 'det'\n[[apps.stages]]\nmodel = 'cls'\n"
+     "after = 'det'\nfanout = 1e-9\nglue = 'ppiped.query.example_glue:crop'\n",
+     "stage 'cls': its load weight, the app's weight 1 x the fan-outs on its path 1e-09"),
+    ("[[apps]]\nname = \"a\\n\"\nslo_ms = 100\n[[apps.stages]]\nmodel = 'det'\n", "app 'a\\n': a name is"),
+    ("[[apps]]\nname = 'a'\nslo_ms = 100\n[[apps.stages]]\nmodel = 'det'\n[[apps.stages]]\nmodel = 'cls'\n"
+     "after = 'det'\nglue = \"ppiped.query.example_glue:crop\\n\"\n", "module:function"),
     ("[app]\nname = 'a'\n", "top-level 'apps' list"),
 ])
 def test_cli_bad_apps_files_exit_2_with_the_reason(profile_dir, tmp_path, capsys, text, why):
@@ -389,3 +395,29 @@ def test_shared_detector_then_classifier(shared_profiles):
     up, down = plan.model(det), plan.model(cls)
     assert down.throughput_rps >= 3 * min(up.throughput_rps, down.throughput_rps / 3) * (1 - 1e-6)
     assert down.weight == pytest.approx(3 * up.weight)
+
+
+def test_the_dp_split_keeps_to_the_time_limit(monkeypatch):
+    """The limit is the whole plan's: refining rounds run only in its first half, and a first
+    round that overruns it is an error naming the app (a 12-stage app took 8 s of a 3 s limit).
+    The clock here moves 1 s per grid cost computed (3 stages x 20 budgets a round)."""
+    import types
+
+    import ppiped.query.split as sp
+
+    clock = [0.0]
+    real = sp._cost
+
+    def cost(*a):
+        clock[0] += 1.0
+        return real(*a)
+
+    monkeypatch.setattr(sp, "_cost", cost)
+    monkeypatch.setattr(sp, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    apps = [tree_app()]
+    assert split_apps(PROFILES, apps, cluster(), PARAMS, time_limit=1000).report["tree"]["dp"]["rounds"] >= 2
+    clock[0] = 0.0
+    assert split_apps(PROFILES, apps, cluster(), PARAMS, time_limit=100).report["tree"]["dp"]["rounds"] == 1
+    clock[0] = 0.0
+    with pytest.raises(InputError, match=r"dp split ran past the time limit \(30 s\) at app 'tree', stage 3 of 3"):
+        split_apps(PROFILES, apps, cluster(), PARAMS, time_limit=30)

@@ -361,3 +361,24 @@ def test_rates_fall_back_to_one_partition_on_vgpus_when_np_cannot_place_every_mo
     assert {m.model for m in plan.models} == {"alpha", "beta"} and all(m.throughput_rps > 0 for m in plan.models)
     assert check(plan, TOY) == []
     assert toy_plan().solver["batch_delay_rates_from"] == "given"
+
+
+def test_a_solve_out_of_time_is_not_called_a_cluster_too_small(monkeypatch):
+    """A solve that stopped before it served every model says so (and to give it more time);
+    only a proven-empty optimum is "the cluster is too small"."""
+    import ppiped.planner.api as api
+    from ppiped.planner.milp import SolveInfo
+
+    def stopped(configs, *a, **kw):
+        return [], SolveInfo("feasible", 0.0, 5.0, 1.0, 1.0, 0, 0, 0, 0, 1, 1.0)
+
+    monkeypatch.setattr(api, "solve_allocation", stopped)
+    with pytest.raises(InputError, match=r"no plan serving every model found within .* give more time"):
+        toy_plan()
+
+    def proven(configs, *a, **kw):
+        return [], SolveInfo("optimal", 0.0, 0.0, 0.0, 1.0, 0, 0, 0, 0, 1, 1.0)
+
+    monkeypatch.setattr(api, "solve_allocation", proven)
+    with pytest.raises(InputError, match="the cluster is too small"):
+        toy_plan()

@@ -168,7 +168,7 @@ def _run_apps(args: argparse.Namespace, cluster, params: PlanParams, profiles: d
     t0 = time.perf_counter()
     try:
         sp = split_apps(profiles, apps, cluster, params, args.algo, args.split or "dp", models, weights,
-                        slos)
+                        slos, time_limit=args.time_limit)
     except InputError as e:  # what no split can serve: the apps file is what to change
         raise InputError(f"{args.apps}: {e}") from None
     left = max(0.5, args.time_limit - (time.perf_counter() - t0))

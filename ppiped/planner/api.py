@@ -247,9 +247,12 @@ def _plan_once(profiles, models, weights, cluster, params, algo, slo, rates, tim
                          f"{e}") from None
     plan = build_plan(allocs, info, models, weights, cluster, params, algo, slo, rates)
     if plan.normalized_throughput <= 0:
-        starved = [m.model for m in plan.models if m.throughput_rps <= 0]
-        raise InputError(f"the cluster is too small to serve every model at once "
-                         f"(no GPUs left for {', '.join(starved)})")
+        starved = ", ".join(m.model for m in plan.models if m.throughput_rps <= 0)
+        if info.status != "optimal" and info.bound > 0:
+            # the solve ran out of time, not the cluster out of GPUs: say which
+            raise InputError(f"no plan serving every model found within {time_limit:.0f} s (none for "
+                             f"{starved} yet, though the solver's bound says one may exist): give more time")
+        raise InputError(f"the cluster is too small to serve every model at once (no GPUs left for {starved})")
     return plan
 
 

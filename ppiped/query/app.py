@@ -30,8 +30,8 @@ from typing import Any
 from ..errors import InputError
 
 MODES = ("split", "e2e", "chain")
-_GLUE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_NAME = re.compile(r"^[A-Za-z0-9_][\w.\-]*$")
+_GLUE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # (fullmatch: "$" passes a trailing newline)
+_NAME = re.compile(r"[A-Za-z0-9_][\w.\-]*")
 
 
 # Most inputs one parent request may yield on average (a detector's crops: thousands at most).
@@ -110,7 +110,7 @@ class App:
     def validate(self) -> None:
         """Raise :class:`InputError` naming what is wrong."""
         w = f"app {self.name!r}"
-        if not _NAME.match(self.name):
+        if not _NAME.fullmatch(self.name):
             raise InputError(f"{w}: a name is letters, digits, '_', '-' and '.'")
         if not (self.slo_us > 0 and math.isfinite(self.slo_us)):
             raise InputError(f"{w}: slo must be a positive number of ms, got {self.slo_us / 1e3}")
@@ -123,7 +123,7 @@ class App:
         names, models = set(), set()
         for i, s in enumerate(self.stages):
             ws = f"{w}, stage {s.name!r}"
-            if not _NAME.match(s.name):
+            if not _NAME.fullmatch(s.name):
                 raise InputError(f"{w}: stage {i}: a name is letters, digits, '_', '-' and '.'")
             if s.name in names:
                 raise InputError(f"{w}: two stages are named {s.name!r}")
@@ -145,7 +145,7 @@ class App:
                 if not 0 < s.fanout <= MAX_FANOUT:
                     raise InputError(f"{ws}: fanout is the mean number of inputs a parent request "
                                      f"yields, in (0, {MAX_FANOUT:g}]; got {s.fanout}")
-                if not _GLUE.match(s.glue):
+                if not _GLUE.fullmatch(s.glue):
                     raise InputError(f"{ws}: glue must name a callable as 'module:function', "
                                      f"got {s.glue!r}")
             if not (s.budget_us >= 0 and math.isfinite(s.budget_us)):

@@ -37,7 +37,7 @@ from typing import Any
 
 from ..cluster import Cluster
 from ..errors import InputError
-from ..plan import Plan, PlanParams, model_slo_us
+from ..plan import WEIGHT_MAX, WEIGHT_MIN, Plan, PlanParams, model_slo_us
 from ..planner.api import ALGOS, algo_configs, plan_cluster
 from ..planner.bounds import fluid_bound
 from ..planner.configs import latency_budget_us
@@ -74,10 +74,13 @@ def split_apps(
     weights: Sequence[float] | None = None,
     slos_us: Sequence[float] | None = None,
     steps: int = GRID_STEPS,
+    time_limit: float = math.inf,
 ) -> AppSplit:
     """Split every app's SLO with ``method``; ``models``/``weights``/``slos_us`` are the plain
     models planned beside the apps (their SLOs default to ``params``' scale rule).
 
+    ``time_limit`` is the whole plan's: the DP's refining rounds run only in its first half,
+    and a first round that overruns it is an error (the joint MILP still needs its time).
     Raises :class:`InputError` naming the app and stage when no split can meet a stage.
     """
     t0 = time.perf_counter()
@@ -96,7 +99,8 @@ def split_apps(
     report: dict[str, Any] = {}
     done: list[App] = []
     if method == "dp":
-        done, report = _dp_all(profiles, apps, cluster, params, algo, steps, plain, pw, ps, total_gpus)
+        done, report = _dp_all(profiles, apps, cluster, params, algo, steps, plain, pw, ps, total_gpus,
+                               t0, time_limit)
     else:
         for a in apps:
             if method == "fixed":
@@ -117,8 +121,13 @@ def split_apps(
     out_models, out_w, out_slo = list(plain), list(pw), list(ps)
     for a in done:
         for i, s in enumerate(a.stages):
+            w = a.weight * a.rate_factor(i)
+            if not WEIGHT_MIN <= w <= WEIGHT_MAX:
+                raise InputError(f"app {a.name!r}, stage {s.name!r}: its load weight, the app's weight "
+                                 f"{a.weight:g} x the fan-outs on its path {a.rate_factor(i):g} = {w:g}, is "
+                                 f"outside [{WEIGHT_MIN:g}, {WEIGHT_MAX:g}] (scale the weights or fan-outs)")
             out_models.append(s.model)
-            out_w.append(a.weight * a.rate_factor(i))
+            out_w.append(w)
             out_slo.append(s.budget_us)
     return AppSplit(done, out_models, out_w, out_slo, report, time.perf_counter() - t0)
 
@@ -142,7 +151,7 @@ def plan_apps(
     """Split the apps' SLOs, then plan their stages and the plain models in one ``plan_cluster``
     call. ``batch_delay_rates``, keyed by model, must cover every model when given."""
     t0 = time.perf_counter()
-    sp = split_apps(profiles, apps, cluster, params, algo, method, models, weights, slos_us, steps)
+    sp = split_apps(profiles, apps, cluster, params, algo, method, models, weights, slos_us, steps, time_limit)
     rates = None
     if batch_delay_rates is not None:
         missing = [m for m in sp.models if m not in batch_delay_rates]
@@ -270,20 +279,29 @@ def _even_budgets(profiles, app: App, cluster: Cluster, params: PlanParams) -> l
     return [scale * x for x in lat]
 
 
-def _dp_all(profiles, apps, cluster, params, algo, steps, plain, pw, ps, total_gpus):
-    """The DP for every app, rerun with batching-delay rates from its own fluid estimate."""
+def _dp_all(profiles, apps, cluster, params, algo, steps, plain, pw, ps, total_gpus, t0, time_limit):
+    """The DP for every app, rerun with batching-delay rates from its own fluid estimate while
+    half the time limit is left."""
     rates: dict[str, float | None] = {m: None for a in apps for m in (s.model for s in a.stages)}
     rates.update(dict.fromkeys(plain))
     chosen: dict[str, list[int]] = {}
     results: dict[str, tuple] = {}
     rounds = 0
     while rounds < _DP_ROUNDS:
+        if rounds and time.perf_counter() - t0 > time_limit / 2:
+            break
         rounds += 1
         prev = dict(chosen)
         for a in apps:
-            costs = [[_cost(profiles[s.model], cluster, params, algo, k * a.slo_us / steps,
-                            rates[s.model], total_gpus) for k in range(1, steps + 1)]
-                     for s in a.stages]
+            costs = []
+            for i, s in enumerate(a.stages):
+                if rounds == 1 and time.perf_counter() - t0 > time_limit:
+                    n = sum(len(x.stages) for x in apps)
+                    raise InputError(f"the dp split ran past the time limit ({time_limit:g} s) at app {a.name!r}, "
+                                     f"stage {i + 1} of {len(a.stages)} ({n} stages, {steps} budgets each): "
+                                     "give more time or use --split even")
+                costs.append([_cost(profiles[s.model], cluster, params, algo, k * a.slo_us / steps,
+                                    rates[s.model], total_gpus) for k in range(1, steps + 1)])
             ks, obj = _dp(a, costs, steps)
             if ks is None:
                 raise InputError(_dp_failure(profiles, a, costs, steps, cluster, params, algo))
