@@ -712,3 +712,23 @@ def test_a_replan_adds_an_app_with_new_glue_or_refuses_glue_that_does_not_import
             assert not rp["ok"] and "glue ppiped.query.testing_glue:nope" in rp["error"], rp
             assert asyncio.run(query()) == [tg.frame(2, b"n") + bytes([j]) for j in range(2)]
             assert "query_internal_errors" not in c.status()["counters"]
+
+
+def test_hop_times_from_before_the_batch_was_sent_are_not_believed(tmp_path, monkeypatch):
+    """An executor's hop that 'started' days before its batch was sent once counted days of GPU
+    time, for good; it is refused as foreign feedback, and an honest report still counts."""
+    rig = AppRig(tmp_path, monkeypatch)
+    srv = rig.srv
+    try:
+        rig.query(1, tg.frame(0))
+        [(h, _)] = rig.dispatched()
+        v = h.path[0]
+        fb = [v, h.batch, 0, h.starts[0] - 10**12, h.starts[0] - 10**12, h.starts[0] + 1000]
+        rig.to_server(wire.result(h.batch, h.ids, None, [], fb), [b"out"])
+        assert srv.counters["foreign_feedback"] == 1 and srv.busy_us[v] == 0
+        rig.query(2, tg.frame(0))
+        [(h, _)] = rig.dispatched()
+        rig.finish(h, h.ids)
+        assert srv.busy_us[h.path[0]] == 1000
+    finally:
+        rig.close()

@@ -103,7 +103,8 @@ QUARANTINE_US = 5_000_000
 QUARANTINE_MAX_US = 300_000_000
 REPORT_MANY_FROM = 8  # feedback reports: one compiled call each below this many, else one for all
 WARN_EVERY_US = 1_000_000  # repeated warnings of one kind: at most one log line a second
-FEEDBACK_AHEAD_US = 1_000_000  # a reported end this far past the scheduler's clock is not believed
+FEEDBACK_AHEAD_US = 1_000_000  # a reported end this far past the scheduler's clock (or a start this
+# far before the batch was sent) is not believed: the clock offsets' error is far smaller
 # Clients (fair admission, queueing delay): what the daemon keeps per client connection is
 # forgotten once it has nothing in flight and has been silent this long; past MAX_CLIENTS known
 # connections, every one with nothing in flight is forgotten at once (at most every 0.1 s).
@@ -197,7 +198,7 @@ class Batch:
     """A dispatched batch until every request in it is answered and every hop reported."""
 
     __slots__ = ("id", "model", "path", "infer_h", "link_h", "reqs", "finish", "answered", "times",
-                 "done_at", "size", "span")
+                 "done_at", "size", "span", "sent")
 
     def __init__(self, bid: int, model: int, path: list[int], infer_h: list[int],
                  link_h: list[tuple[int, int] | None], reqs: dict[int, Req], finish: float) -> None:
@@ -207,6 +208,7 @@ class Batch:
         self.done_at = 0
         self.size = len(reqs)
         self.span = 0.0  # reserved length, first hop's start to the end (µs)
+        self.sent = 0  # when the decision to send it came due: no hop of it ran before
 
 
 class ExecState:
@@ -1192,6 +1194,7 @@ class Server:
             self.next_batch += 1
             batch = Batch(bid, models[i], path, infer_h, link_h, dict(zip(ids, rs)), finish[i])  # noqa: B905
             batch.span = finish[i] - min(starts[res0[i]:res0[i] + nres[i]], default=finish[i])
+            batch.sent = due
             try:
                 tags = wire.path_tags([e.key for e in execs], bid, path, hop_start) if k > 1 else ()
                 send_parts(exe, [execs[0].ident, wire.dispatch(bid, path, hop_start, ids, tags),
@@ -1678,9 +1681,11 @@ class Server:
                 self.counters["stale_feedback"] += 1
                 continue
             # only the executor serving that vGPU reports its hops, and only times that happened:
-            # a forged end far ahead pushed every later reservation back and stopped serving
+            # a forged end far ahead pushed every later reservation back and stopped serving; a
+            # start long before the batch was sent inflated the GPU time counted for good
             ready, start, end = ready - off, start - off, end - off
-            if not (0 <= v < nv and vgpu_exec[v] is ex) or not (start <= end <= horizon and ready <= end):
+            if not (0 <= v < nv and vgpu_exec[v] is ex) or not (
+                    b.sent - FEEDBACK_AHEAD_US <= ready <= end <= horizon and b.sent - FEEDBACK_AHEAD_US <= start <= end):
                 self.counters["foreign_feedback"] += 1
                 self.warn_limited("foreign-feedback", batch=bid, hop=hop, vgpu=v, pid=ex.pid,
                                   vgpus=format_ranges(ex.vgpus))
