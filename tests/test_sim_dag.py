@@ -59,6 +59,9 @@ def test_every_query_is_accounted_once_and_children_come_only_from_served_parent
         assert not np.any(sim.r_state == E.R_CANCELLED)
     # nothing left behind: every spawned request ended one way or another
     assert not np.any(sim.r_state[spawned] == E.R_PENDING)
+    # the models count a failed or late query's GPU time invalid, as the app does (and the daemon)
+    per_model = sum(m.invalid_rate * float(sim.r_gpu[sim.arr_m == i].sum()) for i, m in enumerate(r.models))
+    assert per_model == pytest.approx(a.invalid_rate * a.gpu_s * 1e6, rel=1e-9, abs=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["split", "e2e", "chain"])

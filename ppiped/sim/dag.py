@@ -225,9 +225,12 @@ class AppResult:
 
 
 def app_results(w: DagWorkload, layout: Layout, arr_t: np.ndarray, r_state: np.ndarray, r_end: np.ndarray,
-                r_gpu: np.ndarray, duration_s: float, q_fail: np.ndarray | None = None) -> list[AppResult]:
+                r_gpu: np.ndarray, duration_s: float, q_fail: np.ndarray | None = None,
+                wasted: np.ndarray | None = None) -> list[AppResult]:
     """Per app: each query's outcome from its requests' ends (see the module docstring);
-    ``arr_t`` as the loop left it (spawned stages have their arrival, the others inf)."""
+    ``arr_t`` as the loop left it (spawned stages have their arrival, the others inf).
+    ``wasted`` (a mask over requests), when given, is set where a request's query failed or
+    ended late: its GPU time was for nothing, which its model counts as invalid too."""
     from ..core.scheduler import DROP_REASONS
 
     out = []
@@ -254,6 +257,8 @@ def app_results(w: DagWorkload, layout: Layout, arr_t: np.ndarray, r_state: np.n
                 key = f"{stg}:{why}"
                 dropped[key] = dropped.get(key, 0) + 1
                 bad_gpu += g
+                if wasted is not None:
+                    wasted[mem] = True
                 continue
             if q_fail is not None and q_fail[q] == E.Q_FAIL_SPAWN:
                 # dropped before its next stage: the first request never spawned names it
@@ -262,17 +267,23 @@ def app_results(w: DagWorkload, layout: Layout, arr_t: np.ndarray, r_state: np.n
                 key = f"{stg}:early-drop"
                 dropped[key] = dropped.get(key, 0) + 1
                 bad_gpu += g
+                if wasted is not None:
+                    wasted[mem] = True
                 continue
             if np.any(st != E.R_SERVED) or len(live) < len(mem):
                 # children never spawned (a parent ended late) or still pending at the end
                 late += 1
                 bad_gpu += g
+                if wasted is not None:
+                    wasted[mem] = True
                 continue
             end = float(r_end[live].max())
             dl = float(w.dq_f[live[0], E.DF_DL])
             if end > dl + E.LATE_EPS_US:
                 late += 1
                 bad_gpu += g
+                if wasted is not None:
+                    wasted[mem] = True
             else:
                 ok += 1
             lat.append(end - arr_t[w.q_root[q]])

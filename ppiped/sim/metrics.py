@@ -144,13 +144,15 @@ class SimResult:
 def model_results(names: list[str], rates: np.ndarray, arr_t: np.ndarray, arr_m: np.ndarray,
                   slo_us: np.ndarray, r_state: np.ndarray, r_end: np.ndarray, r_gpu: np.ndarray | None = None,
                   duration_s: float = 0.0, subset: np.ndarray | None = None,
-                  deadline_us: np.ndarray | None = None) -> list[ModelResult]:
+                  deadline_us: np.ndarray | None = None, wasted: np.ndarray | None = None) -> list[ModelResult]:
     """Per-model attainment, goodput, lateness, drops by reason, invalid rate and latency
     percentiles. The invalid rate is the share of the model's GPU time spent on requests that
     ended late or were dropped after a batch had started on them (``r_gpu``: GPU µs per
     request). ``subset`` (a mask over requests) restricts it to some, e.g. a priority class;
     ``deadline_us`` (per request) replaces arrival + SLO (app stages are late against their
-    query's deadline). Withdrawn app stages count as dropped ("query-failed")."""
+    query's deadline; ``wasted``, a mask over requests, marks those whose query failed or was
+    late, whose GPU time is invalid even if they were on time, as the daemon counts it).
+    Withdrawn app stages count as dropped ("query-failed")."""
     out = []
     for m, name in enumerate(names):
         sel = arr_m == m if subset is None else (arr_m == m) & subset
@@ -173,6 +175,8 @@ def model_results(names: list[str], rates: np.ndarray, arr_t: np.ndarray, arr_m:
             g = r_gpu[sel]
             ok = np.zeros(len(st), dtype=bool)
             ok[np.flatnonzero(done)[~is_late]] = True
+            if wasted is not None:
+                ok &= ~wasted[sel]
             total = float(g.sum())
             invalid = float(g[~ok].sum()) / total if total > 0 else 0.0
         out.append(ModelResult(name, int(sel.sum()), float(rates[m]), served, late, drops,

@@ -237,8 +237,14 @@ class Simulation:
         offered = np.bincount(self.arr_m[spawned], minlength=len(lay.models))
         rates = offered / self.duration_s if self.duration_s > 0 else np.zeros(len(offered))
         dl = self.dag.dq_f[:, E.DF_DL]
+        wasted = None
+        apps = None
+        if self.dag.apps:
+            wasted = np.zeros(len(self.arr_t), dtype=bool)
+            apps = app_results(self.dag, lay, self.arr_t, self.r_state, self.r_end, self.r_gpu, self.duration_s,
+                               self.q_fail, wasted)
         models = model_results(lay.models, rates, self.arr_t, self.arr_m, self.slo, self.r_state, self.r_end,
-                               self.r_gpu, self.duration_s, spawned, dl)
+                               self.r_gpu, self.duration_s, spawned, dl, wasted)
         util = utilization(lay.gpu_types, lay.v_gpu_type, self.v_busy, self.duration_s * 1e6)
         n = len(self.arr_t)
         dec = counters["decisions"]
@@ -256,10 +262,9 @@ class Simulation:
                 off = np.bincount(self.arr_m[sel], minlength=len(lay.models))
                 res.classes[name] = model_results(
                     lay.models, off / self.duration_s if self.duration_s > 0 else off * 0.0, self.arr_t,
-                    self.arr_m, self.slo, self.r_state, self.r_end, self.r_gpu, self.duration_s, sel, dl)
-        if self.dag.apps:
-            res.apps = app_results(self.dag, lay, self.arr_t, self.r_state, self.r_end, self.r_gpu, self.duration_s,
-                                   self.q_fail)
+                    self.arr_m, self.slo, self.r_state, self.r_end, self.r_gpu, self.duration_s, sel, dl, wasted)
+        if apps is not None:
+            res.apps = apps
             res.extra["app_deadlines"] = self.dag.mode
         if self.duration_s > 0:
             nb = self.nic_busy / (self.duration_s * 1e6)
