@@ -272,6 +272,15 @@ def _notes(sock: socket.socket) -> list[str]:
             return out
 
 
+def test_sighup_leaves_the_daemon_serving(ops):
+    import signal
+
+    ops.cluster.server.send_signal(signal.SIGHUP)
+    time.sleep(0.3)
+    assert ops.cluster.server.poll() is None and ctl.call(ops.sock, {"cmd": "status"})["plan_version"] >= 1
+    assert "sighup-ignored" in (ops.dir / "serve.log").read_text()
+
+
 def test_ctl_socket_is_0660(ops):
     assert stat.S_IMODE(os.stat(ops.sock).st_mode) == 0o660
 
@@ -465,6 +474,11 @@ def test_metrics_endpoint(ops):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(f"http://127.0.0.1:{ops.port}/nope", timeout=10)
     assert e.value.code == 404
+    for head in (b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", b"GET /" + b"a" * 70_000 + b"\r\n"):
+        with socket.create_connection(("127.0.0.1", ops.port), timeout=10) as s:
+            s.sendall(head)
+            assert s.recv(100).startswith(b"HTTP/1.1 431 ")  # a line past asyncio's limit
+    assert "Traceback" not in (ops.dir / "serve.log").read_text()
 
 
 def test_sd_notify_ready_watchdog_status(ops):

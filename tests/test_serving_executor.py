@@ -573,3 +573,21 @@ def test_sigterm_during_a_long_load_exits_at_once(sched, tmp_path):
     assert p.wait(timeout=30) == 0  # not after the load
     _, h, _ = sched.recv(T.BYE)
     assert h.vgpus == [0]
+
+
+def test_sighup_is_logged_and_ignored(sched, tmp_path):
+    """SIGHUP's default action killed the process on the spot (and systemd's on-failure restart
+    takes that for a clean exit); there is no reload, so it is logged and serving goes on."""
+    import signal
+
+    cfg = write_config(tmp_path)
+    p = sched.spawn(cfg, "0", "--log-level", "info")
+    ident, _, _ = sched.recv(T.REGISTER)
+    welcome(sched, ident, [0])
+    p.send_signal(signal.SIGHUP)
+    sched.send(ident, dispatch(4, [0], [now_us()], [1]), b"x")
+    _, h, _ = sched.recv(T.RESULT)
+    assert h.batch == 4 and p.poll() is None
+    p.terminate()
+    assert p.wait(timeout=20) == 0
+    assert "sighup-ignored" in p.stderr.read()

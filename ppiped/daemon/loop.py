@@ -23,6 +23,7 @@ import ctypes
 import heapq
 import itertools
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,6 +44,20 @@ NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 ZERO_COPY_BYTES = 1 << 16  # smaller frames are copied: cheaper than zero-copy bookkeeping
+
+
+def on_stop_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], log: Any) -> None:
+    """SIGTERM and SIGINT stop gracefully; SIGHUP (a reload, to many operators) is logged and
+    ignored: its default action killed the process on the spot, unanswered requests and stale
+    sockets left behind, and systemd's ``Restart=on-failure`` takes a SIGHUP death for a clean
+    exit, so the service stayed down."""
+    def hup() -> None:
+        log.warning("sighup-ignored", why="no reload: change the plan with ppiped-ctl replan, "
+                    "the config with a restart")
+
+    for sig, fn in ((signal.SIGTERM, stop), (signal.SIGINT, stop), (signal.SIGHUP, hup)):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, fn)
 
 
 def unavailable_cpus(cpus: Sequence[int]) -> list[int]:

@@ -198,10 +198,16 @@ class MetricsServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            line = await asyncio.wait_for(reader.readline(), 5.0)
-            while (h := await asyncio.wait_for(reader.readline(), 5.0)) not in (b"\r\n", b"\n", b""):
-                if len(h) > 8192:
-                    break
+            try:
+                line = await asyncio.wait_for(reader.readline(), 5.0)
+                for _ in range(100):  # headers, read and ignored
+                    if await asyncio.wait_for(reader.readline(), 5.0) in (b"\r\n", b"\n", b""):
+                        break
+            except ValueError:  # a line past the stream's limit (64 KiB): asyncio raises, not returns
+                writer.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\n"
+                             b"Connection: close\r\n\r\n")
+                await writer.drain()
+                return
             parts = line.decode("latin-1").split()
             if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] in ("/metrics", "/"):
                 body = render(self.srv).encode()

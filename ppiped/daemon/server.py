@@ -25,11 +25,9 @@ serves it if it still can, else drops it and the client hears ``executor-lost``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import os
-import signal
 import time
 from collections import defaultdict
 from typing import Any
@@ -59,6 +57,7 @@ from .loop import (
     Timers,
     has_input,
     now_us,
+    on_stop_signals,
     pin_this_thread,
     send_parts,
     unavailable_cpus,
@@ -561,9 +560,7 @@ class Server:
             self.queries.close()
             self._close_zmq()
             raise
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                self.loop.add_signal_handler(sig, self.stop)
+        on_stop_signals(self.loop, self.stop, log)
         self.housekeeping()
         wd = sdnotify.watchdog_interval_s()
         if wd:

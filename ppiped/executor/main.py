@@ -31,7 +31,6 @@ import hmac
 import itertools
 import math
 import os
-import signal
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -52,7 +51,7 @@ from ..daemon.config import (
     load_config,
     tensor_frame_cap,
 )
-from ..daemon.loop import NOBLOCK, Reader, Timers, now_us, send_parts
+from ..daemon.loop import NOBLOCK, Reader, Timers, now_us, on_stop_signals, send_parts
 from ..errors import UserError
 from ..security import connect_as, load_keypair, serve, start_authenticator, vgpu_ids
 from ..wire import T
@@ -345,9 +344,7 @@ class Executor:
         self.ctl_reader = Reader(self.loop, self.ctl, self.on_ctl)
         self.data_reader = Reader(self.loop, self.data, self.on_data, budget_us=DATA_SLICE_US,
                                   pace_after_us=DATA_PACE_AFTER_US, duty=DATA_FLOOD_DUTY)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                self.loop.add_signal_handler(sig, self.stop, 0)
+        on_stop_signals(self.loop, self.stop, log)
         log.info("start", vgpus=format_ranges(self.vgpus), data=self.data_endpoint, scheduler=self.scheduler,
                  pid=os.getpid())
         self.register()
