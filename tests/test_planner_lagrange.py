@@ -230,3 +230,29 @@ def test_the_planner_proves_with_the_lagrangian_bound_what_cbc_proves_alone(seed
     assert info.objective == pytest.approx(full.objective, rel=1e-6)
     assert info.bound >= full.objective * (1 - 1e-9)
     assert milp._fits(allocs, cluster, False)
+
+
+def test_a_node_lp_a_hair_outside_its_bounds_does_not_overrun_the_search():
+    """A subproblem captured from `ppiped plan` on a generated world (two synthetic models, L4,
+    A and V100 GPUs, up to 3 partitions): its node LPs return pool counts a rounding above their
+    upper bound (1.7e-6 over 0, 17.117 over 17). The search branched on them, repeated the parent
+    and wrote past its stack until the process died of heap corruption; run in a child so that
+    such a death fails this test instead of the suite."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    case = Path(__file__).parent / "data" / "lagrange_bnb_overrun.npz"
+    code = f"""
+import numpy as np
+from ppiped.planner.lagrange import _branch_and_bound, fluid_throughput
+d = np.load({str(case)!r})
+A, pi, count = d["A"], d["pi"], d["count"]
+for _ in range(3):
+    lower, G, nodes = _branch_and_bound(A, pi, count, int(d["node_cap"]))
+    assert np.all(G >= 0) and np.all(G <= count) and np.all(G == np.round(G)), G
+    assert fluid_throughput(A, G) >= 1 - 1e-6 and lower <= float(pi @ G) + 1e-6, (lower, G)
+print("ok")
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stderr[-2000:])

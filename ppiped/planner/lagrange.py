@@ -317,17 +317,33 @@ def _branch_and_bound(A, pi, count, node_cap):
         if np.isnan(cost):
             open_bound = min(open_bound, parent)
             continue
+        cost = max(cost, parent)  # a child's LP costs at least its parent's: a lower figure is the simplex's error
         if cost >= best - tol:
+            continue
+        # a node LP whose answer lies outside its own bounds (17.117 for U = 17 was seen) is not
+        # believed: its subtree stays open at the parent's bound, which is a valid one. (A branch
+        # on it repeated its parent and wrote past the stack.) A hair outside is clamped.
+        off = False
+        for p in range(P):
+            eps = 1e-6 * (1.0 + U[p])
+            if G[p] < L[p] - eps or G[p] > U[p] + eps:
+                off = True
+            G[p] = min(max(G[p], L[p]), U[p])
+        if off:
+            open_bound = min(open_bound, parent)
             continue
         rc = 0.0
         for p in range(P):
             Gc[p] = min(U[p], math.ceil(G[p] - 1e-7))
             rc += pi[p] * Gc[p]
-        if rc < best:
-            best = rc
-            best_G[:] = Gc
-        if rc <= cost + tol:
-            continue
+        # the rounded-up LP answer is an incumbent when it carries the flow (checked: pruning
+        # against a cost nothing attains would cut off the optimum)
+        if (rc < best or rc <= cost + tol) and fluid_throughput(A, Gc) >= 1.0 - 1e-9:
+            if rc < best:
+                best = rc
+                best_G[:] = Gc
+            if rc <= cost + tol:
+                continue
         # branch on the fractional pool whose rounding costs most
         jb = -1
         wb = 0.0
@@ -339,6 +355,9 @@ def _branch_and_bound(A, pi, count, node_cap):
                     wb = w
                     jb = p
         if jb < 0:
+            continue
+        if top + 2 > depth + 1:  # cannot happen (each branch narrows a range); never write past it
+            open_bound = min(open_bound, cost)
             continue
         v = G[jb]
         # up child below the down child, so the cheaper (down) side is searched first
