@@ -48,7 +48,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     from .commands.argtypes import CommandFailed
 
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)  # (imports every command: a Ctrl-C may land here)
+    except KeyboardInterrupt:
+        return 130
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

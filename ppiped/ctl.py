@@ -154,6 +154,9 @@ def _print_status(st: dict[str, Any]) -> None:
         if hi and hi["accepted"]:
             print(f"{'':<16} high priority: {hi['accepted']} accepted, {hi['ok_in_slo']} ok within the SLO, "
                   f"{hi['dropped']} dropped")
+    other = st.get("rejected_no_model")
+    if other:
+        print("rejected, no model of the plan: " + ", ".join(f"{n} {why}" for why, n in sorted(other.items())))
     _print_apps(st.get("apps") or {})
     _print_executors(st["executors"], st.get("missing", []))
     last = st.get("replan", {}).get("last")

@@ -360,7 +360,8 @@ def test_replan_rejects_bad_weights(ops, capsys):
     for weights, text in (([1, 2, 3], "expected 2 (one per model: tiny, tiny2)"),
                           ([1e308, 1], "expected numbers in [1e-06, 1e+06], got 1e+308"),
                           ({"tiny": True, "tiny2": 1}, "got True"), ([1, "2"], "got '2'"),
-                          ([1e6, 0.5], "more than 1e+06 x the smallest")):
+                          ([1e6, 0.5], "more than 1e+06 x the smallest"),
+                          ({"tiny": 3}, "no weight for model(s) tiny2")):
         out = ctl.call(ops.sock, {"cmd": "replan", "weights": weights, "dry_run": True})
         assert not out["ok"] and text in out["error"], (weights, out)
 
@@ -590,14 +591,19 @@ def test_replan_plan_file_changes_models_and_adds_vgpus(ops, capsys):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(ops.cluster.client_endpoint)
+    no_model = ctl.call(ops.sock, {"cmd": "status"}).get("rejected_no_model", {}).get(wire.UNKNOWN_MODEL, 0)
     try:
-        sock.send_multipart([wire.submit("tiny2", 0, [7]), b"x" * 16])
+        sock.send_multipart([wire.submit("tiny2", 0, [7, 8, 9]), *[b"x" * 16] * 3])
         assert sock.poll(10_000)
         h = wire.decode(sock.recv_multipart()[0])
     finally:
         sock.close(0)
-    assert h.type == wire.T.REPLY and h.ids == [7] and h.status == wire.Status.REJECTED
+    assert h.type == wire.T.REPLY and h.ids == [7, 8, 9] and h.status == wire.Status.REJECTED
     assert h.reason == wire.UNKNOWN_MODEL
+    # counted per request where an operator looks (it was a per-message counter status never showed)
+    assert ctl.call(ops.sock, {"cmd": "status"})["rejected_no_model"][wire.UNKNOWN_MODEL] == no_model + 3
+    with urllib.request.urlopen(f"http://127.0.0.1:{ops.port}/metrics", timeout=10) as r:
+        assert f'ppiped_rejects_total{{model="-",reason="unknown-model"}} {no_model + 3}' in r.read().decode()
     assert f"'tiny2' (it was removed by plan v{before + 1}" in h.meta and "tiny3" in h.meta, h.meta
     # the new vGPUs come into service when an executor registers for them
     ops.cluster.groups.append([4, 5])
@@ -758,8 +764,9 @@ def test_a_replanned_plan_outlives_a_restart_until_the_config_plan_changes(tmp_p
     started, _ = load_serving(cfg)
     replanned = plan_from_json({**started.to_json(), "algo": "replanned"}, "replanned")
     assert save_plan_in_force(cfg, replanned, 2) == tmp_path / "st" / "plan-in-force.json"
-    resumed, _ = load_serving(cfg)
-    assert resumed.algo == "replanned"
+    meta: dict = {}
+    resumed, _ = load_serving(cfg, None, meta)
+    assert resumed.algo == "replanned" and meta["version"] == 2  # `ppiped serve` numbers it v2, not v1
     save_plan(started, plan_path)  # the operator rewrites the config's plan: it is served
     plan_path.write_text(plan_path.read_text() + "\n")
     assert load_serving(cfg)[0].algo == started.algo

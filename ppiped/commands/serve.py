@@ -20,8 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def load_serving(cfg: ServeConfig, plan_path: str | None = None) -> tuple[Plan, dict[str, Profile]]:
-    """The plan in force and the profiles of its models, as the config names them."""
+def load_serving(cfg: ServeConfig, plan_path: str | None = None,
+                 resumed_meta: dict | None = None) -> tuple[Plan, dict[str, Profile]]:
+    """The plan in force and the profiles of its models, as the config names them (a plan the
+    last replan saved, if the config's plan is unchanged: its record goes to ``resumed_meta``)."""
     from ..cluster import load_cluster
 
     path = plan_path or cfg.plan
@@ -33,6 +35,8 @@ def load_serving(cfg: ServeConfig, plan_path: str | None = None) -> tuple[Plan, 
     resumed = resume_plan(cfg, cluster) if plan_path is None else None
     if resumed is not None:
         plan, meta = resumed
+        if resumed_meta is not None:
+            resumed_meta.update(meta)
         logs.get("ppiped.serve").info("plan-resumed", plan=plan.source, version=meta.get("version"),
                                       config_plan=str(cfg.plan))
     else:
@@ -55,8 +59,12 @@ def run(args: argparse.Namespace) -> int:
     logs.setup(args.log_level)
     log = logs.get("ppiped.serve")
     cfg = load_config(args.config)
-    plan, profiles = load_serving(cfg, args.plan)
+    meta: dict = {}
+    plan, profiles = load_serving(cfg, args.plan, meta)
     for v in refuse_for_serving(plan, profiles):  # served anyway: the data plane copes, but say so
         log.warning("plan-rule-broken", plan=plan.source, violation=str(v))
     server = Server(cfg, plan, profiles)
+    v = meta.get("version")
+    if type(v) is int and v >= 1:  # the resumed plan keeps its number (status, metrics, log agree)
+        server.plan_version = v
     return uvloop.run(server.run())

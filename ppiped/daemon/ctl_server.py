@@ -146,7 +146,11 @@ class CtlServer:
                 if unknown:
                     raise InputError(f"weights: unknown model(s) {', '.join(unknown)} "
                                      f"(the daemon serves {', '.join(srv.model_names)})")
-                w = [w.get(m, 0) for m in srv.model_names]
+                missing = [m for m in srv.model_names if m not in w]
+                if missing:
+                    raise InputError(f"weights: no weight for model(s) {', '.join(missing)} (give every model "
+                                     f"the daemon serves one: {', '.join(srv.model_names)})")
+                w = [w[m] for m in srv.model_names]
             weights = check_weights(w, srv.model_names)
         plan = None
         if req.get("plan_file"):  # migrate to a plan made elsewhere (e.g. `ppiped plan`)
@@ -205,7 +209,7 @@ def status(srv: Server) -> dict[str, Any]:
     alive = srv.alive_vgpus()
     return {"plan_version": srv.plan_version, "plan": srv.plan.source, "uptime_s": (now_us() - srv.started) / 1e6,
             "state": "holding" if srv.holding else ("draining" if srv.draining else "serving"),
-            "models": models, "queued": len(srv.reqs),
+            "models": models, "rejected_no_model": dict(srv.unowned_rejects), "queued": len(srv.reqs),
             "in_flight_batches": sum(1 for b in srv.batches.values() if not b.answered),
             "vgpus": {"total": srv.nv, "alive": alive, "missing": format_ranges(missing_vgpus(srv))},
             "executors": executors(srv), "missing": missing(srv), "apps": srv.queries.status(),

@@ -89,6 +89,8 @@ def render(srv: Server) -> str:
         for outcome, v in (("ok", s.ok), ("dropped", sum(s.dropped.values())),
                            ("rejected", sum(s.rejected.values()))):
             lines.append(f"ppiped_replies_total{_labels(model=n, outcome=outcome)} {v}")
+    if srv.unowned_rejects:  # requests no model owns: unknown model, malformed message
+        lines.append(f"ppiped_replies_total{_labels(model='-', outcome='rejected')} {sum(srv.unowned_rejects.values())}")
     head("ppiped_drops_total", "counter", "Requests dropped, by reason.")
     for n, s in every:
         for reason, v in sorted(s.dropped.items()):
@@ -97,6 +99,8 @@ def render(srv: Server) -> str:
     for n, s in every:
         for reason, v in sorted(s.rejected.items()):
             lines.append(f"ppiped_rejects_total{_labels(model=n, reason=reason)} {v}")
+    for reason, v in sorted(srv.unowned_rejects.items()):
+        lines.append(f"ppiped_rejects_total{_labels(model='-', reason=reason)} {v}")
     head("ppiped_late_total", "counter", "Requests answered ok after their deadline (counted in ok too).")
     for n, s in every:
         lines.append(f"ppiped_late_total{_labels(model=n)} {s.ok_late}")

@@ -342,6 +342,9 @@ class Server:
             raise ConfigError(f"{cfg.source}: limits.max_slo_ms: {cfg.max_slo_ms:g} is below the SLO of "
                               + ", ".join(f"{m} ({u / 1000:g} ms)" for m, u in over))
         self.removed_models: dict[str, int] = {}  # model -> the plan version that stopped serving it
+        # requests rejected that no model of the plan owns (unknown model, a malformed message),
+        # by reason: counted per request, in the totals, status and /metrics (model "-")
+        self.unowned_rejects: dict[str, int] = defaultdict(int)
         self.removed_stats: dict[str, ModelStats] = {}  # their counts: totals and counters never fall
         self.assignments = [self._assignment(v) for v in range(self.nv)]
         self.vgpu_exec: list[ExecState | None] = [None] * self.nv
@@ -1030,6 +1033,8 @@ class Server:
                 detail: str = "") -> None:
         if st is not None:
             st.rejected[reason] += len(cids)
+        else:
+            self.unowned_rejects[reason] += len(cids)
         if cids:
             send_parts(self.client, [ident, wire.reply(cids, Status.REJECTED, reason, detail or None)])
 
@@ -1809,7 +1814,7 @@ class Server:
         every = [s for _, s in self.all_stats()]
         return {"accepted": sum(s.accepted for s in every), "ok": sum(s.ok for s in every),
                 "dropped": sum(sum(s.dropped.values()) for s in every),
-                "rejected": sum(sum(s.rejected.values()) for s in every)}
+                "rejected": sum(sum(s.rejected.values()) for s in every) + sum(self.unowned_rejects.values())}
 
     @staticmethod
     def _pcts(a: np.ndarray, n: int) -> dict[str, float]:
