@@ -935,7 +935,12 @@ def _ppipe_queue(A, F, m, now):
         if give > 0.0:
             s_hi = max(shift - give, 0.0)
             s_lo = shift - give
-            dh = _oldest(A, F, dq, m, hq)[1] - (s_lo if oq == m else s_hi)
+            # the earliest of the two classes' heads, each less its own shift: a batch takes the
+            # high class first, so the low head's deadline, given back its room, must not stand
+            # for a high request's earlier one (high requests were served late)
+            dh = F[off(A, X_S_DEADLINE) + peek_min(A, dq, m)] - s_lo if A[o_qs + m] > 0 else INF
+            if A[o_qs + hq] > 0:
+                dh = min(dh, F[off(A, X_S_DEADLINE) + peek_min(A, dq, hq)] - s_hi)
         # 2. the largest batch size <= planned whose finish meets the oldest deadline
         B = A[o_bs + best_p]
         chosen = 0

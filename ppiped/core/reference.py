@@ -295,7 +295,9 @@ class RefScheduler:
             s_hi = s_lo = shift  # a negative s_lo gives back the class room in a low deadline
             if give > 0:
                 s_hi, s_lo = max(shift - give, 0.0), shift - give
-                dh = q[0].deadline - (s_hi if q[0].prio > 0 else s_lo)
+                # the earliest of the classes' heads, each less its own shift (high ones go first)
+                heads = (next((r for r in q if r.prio > 0), None), next((r for r in q if r.prio <= 0), None))
+                dh = min(r.deadline - (s_hi if r.prio > 0 else s_lo) for r in heads if r is not None)
             B = int(L.pipe_bs[p])
             chosen, hops, fmin = 0, hops_b, f_b
             pressed = self.hbf_until[m] > now
