@@ -570,35 +570,40 @@ def _pressure(A, F, m, now):
 @njit(none(I1, F1, i8, f8), cache=True)
 def _relax(A, F, m, now):
     """Model ``m`` drops because no batch meets a deadline: each vGPU of its pools that has not
-    reported for ``MARGIN_STALE_SLOS`` SLOs has its margins relaxed towards 1, with time
-    constant ``MARGIN_RELAX_SLOS`` SLOs of that silence.
+    reported for ``MARGIN_STALE_SLOS`` SLOs, and whose high margin is above the prior
+    (``F_MARGIN_PRIOR``), has its margins relaxed towards that prior, with time constant
+    ``MARGIN_RELAX_SLOS`` SLOs of that silence.
 
     Why: margins learn only from reports. After a slow spell (a throttled GPU, a busy MPS
     neighbour) they can make every path miss the SLO, or keep a vGPU off every chosen path;
     then nothing is dispatched to it, nothing reports, and the model would stay unserved (or
-    short of its vGPUs) for as long as its traffic lasts. A silent vGPU's margins are stale
-    evidence; relaxed, they let a batch through, whose report sets them anew (_report_one):
-    high again if the spell goes on (one batch per few SLOs is risked), or low if it is over.
-    A vGPU that reports keeps its margins, so this never acts while batches flow. Idempotent
-    at one ``now``."""
+    short of its vGPUs) for as long as its traffic lasts. Such margins are stale evidence;
+    relaxed, they let a batch through, whose report sets them anew (_report_one): high again if
+    the spell goes on (one batch per few SLOs is risked), or low if it is over. Margins at or
+    below the prior are what ordinary noise gives: an idle vGPU keeps them (relaxed towards 1,
+    a vGPU left idle at 1.3x load lost its noise margin, and the high class its attainment).
+    Idempotent at one ``now``."""
     o_h = off(A, X_V_HEARD)
     o_pv = off(A, X_POOL_V0)
     o_p0 = off(A, X_PIPE_POOL0)
     o_np = off(A, X_PIPE_NPOOLS)
     o_mp = off(A, X_MODEL_PIPE0)
+    o_hi = off(A, X_V_MARGIN_HI)
+    prior = F[F_MARGIN_PRIOR]
     stale = MARGIN_STALE_SLOS * F[off(A, X_M_HOLD) + m]
     tau = MARGIN_RELAX_SLOS * F[off(A, X_M_HOLD) + m]
     for p in range(A[o_mp + m], A[o_mp + m + 1]):
         for pool in range(A[o_p0 + p], A[o_p0 + p] + A[o_np + p]):
             for v in range(A[o_pv + pool], A[o_pv + pool + 1]):
                 heard = F[o_h + 2 * v]
-                if now - heard <= stale:
+                if now - heard <= stale or F[o_hi + v] <= prior:
                     continue
                 dt = now - max(heard + stale, F[o_h + 2 * v + 1])
                 if dt > 0.0:
                     f = np.exp(-dt / tau)
-                    for o in (off(A, X_V_MARGIN) + v, off(A, X_V_MARGIN_HI) + v):
-                        F[o] = 1.0 + (F[o] - 1.0) * f
+                    for o in (off(A, X_V_MARGIN) + v, o_hi + v):
+                        if F[o] > prior:
+                            F[o] = prior + (F[o] - prior) * f
                     F[o_h + 2 * v + 1] = now
 
 

@@ -382,19 +382,20 @@ class RefScheduler:
         return INF
 
     def _relax(self, m: int, now: float) -> None:
-        """Margins of the model's vGPUs silent for a while relax towards 1 (stale after a slow spell)."""
+        """Margins above the prior of the model's vGPUs silent for a while relax towards it (stale after a slow spell)."""
         L = self.L
         slo = float(L.slo_us[m])
         for p in L.pipelines_of(m):
             for pool in range(int(L.pipe_pool0[p]), int(L.pipe_pool0[p]) + int(L.pipe_npools[p])):
                 for v in range(int(L.pool_v0[pool]), int(L.pool_v0[pool + 1])):
                     heard, last = self.heard[v]
-                    if now - heard <= S.MARGIN_STALE_SLOS * slo:
+                    if now - heard <= S.MARGIN_STALE_SLOS * slo or self.margin[v][1] <= self.prior:
                         continue
                     dt = now - max(heard + S.MARGIN_STALE_SLOS * slo, last)
                     if dt > 0:
                         f = math.exp(-dt / (S.MARGIN_RELAX_SLOS * slo))
-                        self.margin[v] = [1.0 + (x - 1.0) * f for x in self.margin[v]]
+                        self.margin[v] = [self.prior + (x - self.prior) * f if x > self.prior else x
+                                          for x in self.margin[v]]
                         self.heard[v][1] = now
 
     @staticmethod
