@@ -114,7 +114,8 @@ class Queries:
         self.stats: dict[str, AppStats] = {}
         self.live: dict[tuple[bytes, int], Query] = {}
         self.install(srv.plan.apps)
-        self.pool: GluePool | None = self.pool_for(srv.plan.apps)
+        self.pool: GluePool | None = None
+        self.pool = self.pool_for(srv.plan.apps)
 
     def install(self, apps: list[App]) -> None:
         """The apps of the plan in force (checked against the deadline mode; stats kept by name)."""
@@ -135,7 +136,7 @@ class Queries:
         """A glue pool (not started) for ``apps`` when the one running lacks some of their
         callables, with the running one's too (its queries in flight may still call them)."""
         need = {s.glue for a in apps for s in a.stages if s.glue}
-        have = set(self.pool.refs) if getattr(self, "pool", None) is not None else set()
+        have = set(self.pool.refs) if self.pool is not None else set()
         if need <= have:
             return None
         cfg = self.srv.cfg
