@@ -591,3 +591,29 @@ def test_sighup_is_logged_and_ignored(sched, tmp_path):
     p.terminate()
     assert p.wait(timeout=20) == 0
     assert "sighup-ignored" in p.stderr.read()
+
+
+def test_a_welcome_mid_load_adopts_what_a_prepare_preloaded_meanwhile(sched, tmp_path):
+    """A replan PREPAREs every executor, one still loading too, then switches: the WELCOME that
+    comes mid-load adopts the preload (it loaded the new assignment from scratch once more, and
+    kept the preloaded copy: twice the time, twice the memory)."""
+    cfg = write_config(tmp_path, extra="emulate_load_ms = 1500")
+    p = sched.spawn(cfg, "0", "--log-level", "info")
+    ident, _, _ = sched.recv(T.REGISTER)
+    first = [assignment(0, 0, False)]
+    second = [wire.Assignment(0, "tiny", 0, 1, 1, 2, "CPU", 1, 0, True, LAT, [0.0] * len(LAT)).to_wire()]
+    sched.send(ident, wire.welcome(first, 50, KEYS[0]))
+    assert sched.recv(T.HEARTBEAT)[1].loading
+    time.sleep(0.5)
+    sched.send(ident, wire.prepare(7, second))
+    time.sleep(0.3)
+    sched.send(ident, wire.error(wire.UNREGISTERED, "plan v2: register again"))
+    sched.recv(T.REGISTER)
+    sched.send(ident, wire.welcome(second, 50, KEYS[0]))
+    loaded(sched, timeout_s=20)
+    p.terminate()
+    assert p.wait(timeout=20) == 0
+    err = p.stderr.read()
+    loads = [line for line in err.splitlines() if " loaded " in line]
+    assert len(loads) == 2 and "partition=1" in loads[-1], loads
+    assert "switched prep=7" in err and "reloading" not in err

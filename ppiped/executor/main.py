@@ -606,8 +606,13 @@ class Executor:
         another one, which is loaded first."""
         p, self.pending = self.pending, None
         if p is not None and p[1] != key and not self.stopped.done():
-            log.info("reloading", reason="a newer WELCOME came while loading")
-            self.loop.create_task(self._load(*p))
+            prep = self.prep
+            if prep is not None and prep.key == p[1]:  # preloaded meanwhile (a replan's PREPARE)
+                self.prep = None
+                self.loop.create_task(self._adopt(prep, *p))
+            else:
+                log.info("reloading", reason="a newer WELCOME came while loading")
+                self.loop.create_task(self._load(*p))
             return
         self.loading = False
         self.ready()
