@@ -510,9 +510,9 @@ def probe(A, F, p, b, now, buf):
 
 @njit(b1(I1, F1, TB, i8, i8, f8), cache=True)
 def _has_room(A, F, tb, r, need, now):
-    if room(A, tb, r) >= need:
-        return True
-    A[H_CT_GC] += gc_row(F, A, tb, r, now)
+    """Whether row ``r`` has ``need`` free places; else the caller grows the tables. (A full row
+    once dropped its ended intervals here: but only the periodic GC may, or decisions depended on
+    the table capacity: a late report pushes the intervals booked after it, ended ones too.)"""
     return room(A, tb, r) >= need
 
 
