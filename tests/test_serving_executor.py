@@ -538,19 +538,33 @@ def test_batch_ids_of_a_restarted_scheduler_are_not_taken_for_replays(sched, tmp
         p.wait(timeout=10)
 
 
+# a later plan's assignment of vGPU 0: partition 1 (blocks [1, 2)) of tiny, the last hop
+SECOND = [wire.Assignment(0, "tiny", 0, 1, 1, 2, "CPU", 1, 0, True, LAT, [0.0] * len(LAT)).to_wire()]
+
+
+def _slow_loader(sched, tmp_path, load_ms):
+    """An executor of vGPU 0 whose loads take ``load_ms``, welcomed to partition 0 (it is now
+    loading): (process, ZeroMQ identity)."""
+    p = sched.spawn(write_config(tmp_path, extra=f"emulate_load_ms = {load_ms}"), "0", "--log-level", "info")
+    ident, _, _ = sched.recv(T.REGISTER)
+    sched.send(ident, wire.welcome([assignment(0, 0, False)], 50, KEYS[0]))
+    return p, ident
+
+
+def _loads(p):
+    """The 'loaded' log lines of a stopped executor."""
+    assert p.wait(timeout=20) == 0
+    return [line for line in p.stderr.read().splitlines() if " loaded " in line and "vgpu=0" in line]
+
+
 def test_a_slow_load_heartbeats_as_loading_and_serves_the_last_welcome(sched, tmp_path):
     """An engine load may outlast the heartbeat timeout: the executor says it is loading (so
     the scheduler neither drops it as silent nor dispatches to it), and a WELCOME that came
     meanwhile with another assignment is loaded next, never the stale one served."""
-    cfg = write_config(tmp_path, extra="emulate_load_ms = 1200")
-    p = sched.spawn(cfg, "0", "--log-level", "info")
-    ident, _, _ = sched.recv(T.REGISTER)
-    first = [assignment(0, 0, False)]
-    second = [wire.Assignment(0, "tiny", 0, 1, 1, 2, "CPU", 1, 0, True, LAT, [0.0] * len(LAT)).to_wire()]
-    sched.send(ident, wire.welcome(first, 50, KEYS[0]))
+    p, ident = _slow_loader(sched, tmp_path, 1200)
     beats = [sched.recv(T.HEARTBEAT)[1] for _ in range(3)]
     assert all(h.loading for h in beats)  # while the first load runs (1.2 s): alive, not ready
-    sched.send(ident, wire.welcome(second, 50, KEYS[0]))
+    sched.send(ident, wire.welcome(SECOND, 50, KEYS[0]))
     h = loaded(sched, timeout_s=20)
     assert not h.loading
     t0 = now_us()
@@ -558,8 +572,7 @@ def test_a_slow_load_heartbeats_as_loading_and_serves_the_last_welcome(sched, tm
     _, h, frames = sched.recv(T.RESULT)
     assert h.batch == 3 and frames == [b"x"]
     p.terminate()
-    assert p.wait(timeout=20) == 0
-    loads = [line for line in p.stderr.read().splitlines() if " loaded " in line and "vgpu=0" in line]
+    loads = _loads(p)
     assert len(loads) == 2 and "partition=1" in loads[-1], loads
 
 
@@ -597,19 +610,14 @@ def test_a_welcome_mid_load_adopts_what_a_prepare_preloaded_meanwhile(sched, tmp
     """A replan PREPAREs every executor, one still loading too, then switches: the WELCOME that
     comes mid-load adopts the preload (it loaded the new assignment from scratch once more, and
     kept the preloaded copy: twice the time, twice the memory)."""
-    cfg = write_config(tmp_path, extra="emulate_load_ms = 1500")
-    p = sched.spawn(cfg, "0", "--log-level", "info")
-    ident, _, _ = sched.recv(T.REGISTER)
-    first = [assignment(0, 0, False)]
-    second = [wire.Assignment(0, "tiny", 0, 1, 1, 2, "CPU", 1, 0, True, LAT, [0.0] * len(LAT)).to_wire()]
-    sched.send(ident, wire.welcome(first, 50, KEYS[0]))
+    p, ident = _slow_loader(sched, tmp_path, 1500)
     assert sched.recv(T.HEARTBEAT)[1].loading
     time.sleep(0.5)
-    sched.send(ident, wire.prepare(7, second))
+    sched.send(ident, wire.prepare(7, SECOND))
     time.sleep(0.3)
     sched.send(ident, wire.error(wire.UNREGISTERED, "plan v2: register again"))
     sched.recv(T.REGISTER)
-    sched.send(ident, wire.welcome(second, 50, KEYS[0]))
+    sched.send(ident, wire.welcome(SECOND, 50, KEYS[0]))
     loaded(sched, timeout_s=20)
     p.terminate()
     assert p.wait(timeout=20) == 0

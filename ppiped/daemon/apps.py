@@ -278,11 +278,9 @@ class Queries:
             return refuse(wire.OVERLOADED, f"{len(self.live)} queries in flight, {len(srv.reqs)} requests "
                           f"queued (limits.max_pending {srv.cfg.max_pending})", root.name)
         for s, m in zip(app.stages, models, strict=True):
-            st = srv.stats[m]
-            if st.accepted - st.answered >= st.limit:
-                st.limited = True
-                return refuse(wire.OVERLOADED, f"model {s.model!r}: {st.accepted - st.answered} requests in "
-                              f"flight, admission window {st.limit}", s.name)
+            full = self._window_full(srv.stats[m], s.model)
+            if full:
+                return refuse(wire.OVERLOADED, full, s.name)
         tr = QueryTracker(app, self.mode, float(t - delay), float(t - delay + slo), keep_all=bool(stages))
         q = Query(app, ast, ident, qid, peer, frame, prio, tr)
         q.gen = srv.ident_gen.get(ident, 0)
@@ -385,9 +383,7 @@ class Queries:
             # a glue's children count against the same bounds as the query itself did: one
             # query must not queue max_children^depth requests past max_pending and the windows
             why = (f"{len(srv.reqs)} requests queued (limits.max_pending {srv.cfg.max_pending})"
-                   if len(srv.reqs) >= srv.cfg.max_pending else
-                   f"model {stage.model!r}: {st.accepted - st.answered} requests in flight, admission "
-                   f"window {st.limit}" if st.accepted - st.answered >= st.limit else "")
+                   if len(srv.reqs) >= srv.cfg.max_pending else self._window_full(st, stage.model))
             if why:
                 st.limited = True
                 srv.counters["query_children_refused"] += 1
@@ -411,6 +407,14 @@ class Queries:
                 st.high[0] += 1
             q.stats.stage_requests[stage.name] += 1
         srv._dirty_decide = True
+
+    @staticmethod
+    def _window_full(st: Any, model: str) -> str:
+        """Why model ``model``'s admission window takes no more requests ('' if it does)."""
+        if st.accepted - st.answered < st.limit:
+            return ""
+        st.limited = True
+        return f"model {model!r}: {st.accepted - st.answered} requests in flight, admission window {st.limit}"
 
     def _glue(self, q: Query, g: Glue, frame: Any, meta: Any) -> None:
         app = q.app
