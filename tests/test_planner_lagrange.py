@@ -245,11 +245,11 @@ def test_a_node_lp_a_hair_outside_its_bounds_does_not_overrun_the_search():
     case = Path(__file__).parent / "data" / "lagrange_bnb_overrun.npz"
     code = f"""
 import numpy as np
-from ppiped.planner.lagrange import _branch_and_bound, fluid_throughput
+from ppiped.planner.lagrange import _branch_and_bound, fluid_throughput, no_caps
 d = np.load({str(case)!r})
 A, pi, count = d["A"], d["pi"], d["count"]
 for _ in range(3):
-    lower, G, nodes = _branch_and_bound(A, pi, count, int(d["node_cap"]))
+    lower, G, nodes = _branch_and_bound(A, pi, count, int(d["node_cap"]), *no_caps(len(count)), False)
     assert np.all(G >= 0) and np.all(G <= count) and np.all(G == np.round(G)), G
     assert fluid_throughput(A, G) >= 1 - 1e-6 and lower <= float(pi @ G) + 1e-6, (lower, G)
 print("ok")

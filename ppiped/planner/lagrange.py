@@ -92,7 +92,31 @@ def min_cost(mp: ModelPools, prices: Mapping[str, float], demand: float,
         return math.inf, np.zeros(len(mp.pools)), 0
     if node_cap is None:
         node_cap = max(200, WORK_CAP // max(1, len(mp.use)))
-    return _branch_and_bound(mp.use * demand, pi, mp.count, node_cap)
+    return _branch_and_bound(mp.use * demand, pi, mp.count, node_cap, *no_caps(len(mp.pools)), False)
+
+
+def no_caps(pools: int) -> tuple[np.ndarray, np.ndarray]:
+    """``cap_of`` and ``caps`` of :func:`_branch_and_bound` for pools bounded one by one only."""
+    return np.full(pools, -1, dtype=np.int64), np.zeros(0)
+
+
+def min_capped(mp: ModelPools, priced: str, caps: Mapping[str, float], demand: float,
+               node_cap: int | None = None) -> float:
+    """A lower bound on the fewest whole GPUs of type ``priced`` in the pools serving ``demand``
+    requests/s (vGPU counts continuous) when the pools of each type ``g`` in ``caps`` hold at
+    most ``caps[g]`` GPUs together (exact unless the node cap was hit); inf when none serve it."""
+    if demand <= 0:
+        return 0.0
+    if len(mp.use) == 0:
+        return math.inf
+    names = list(caps)
+    pi = np.array([1.0 if g == priced else 0.0 for _, g in mp.pools])
+    cap_of = np.array([names.index(g) if g in caps else -1 for _, g in mp.pools], dtype=np.int64)
+    if node_cap is None:
+        node_cap = max(200, WORK_CAP // max(1, len(mp.use)))
+    lower, _, _ = _branch_and_bound(mp.use * demand, pi, mp.count, node_cap, cap_of,
+                                    np.array([float(caps[g]) for g in names]), True)
+    return lower
 
 
 def lagrangian_bound(pools: dict[str, ModelPools], weights: Mapping[str, float], cluster: Cluster,
@@ -211,16 +235,21 @@ def _capacity_rows(T, b, basis, A, rhs, slack0):
 
 
 @numba.njit(cache=True)
-def _node_lp(A, pi, L, U, G):
-    """LP of a node: min pi·G with A^T x <= G, sum(x) >= 1, L <= G <= U. Writes G; returns the
+def _node_lp(A, pi, L, U, G, cap_of, caps):
+    """LP of a node: min pi·G with A^T x <= G, sum(x) >= 1, L <= G <= U, and for every cap ``r``
+    the pools ``p`` with ``cap_of[p] == r`` summing to at most ``caps[r]``. Writes G; returns the
     cost, or inf when infeasible (nan when the simplex gave up)."""
     n, P = A.shape
-    m = 2 * P + 1
-    ncol = n + 3 * P + 2
+    R = caps.shape[0]
+    m = 2 * P + R + 1
+    ncol = n + 3 * P + R + 2
+    sh = n + 3 * P + R  # the shortfall's column; the surplus is next
+    dr = 2 * P + R  # the demand row
     T = np.zeros((m, ncol))
     b = np.zeros(m)
     basis = np.empty(m, dtype=np.int64)
-    # columns: x (n) | e = G - L (P) | capacity slacks (P) | upper slacks (P) | shortfall s | surplus t
+    # columns: x (n) | e = G - L (P) | capacity slacks (P) | upper slacks (P) | cap slacks (R) |
+    # shortfall s | surplus t
     _capacity_rows(T, b, basis, A, L, n + P)
     for p in range(P):
         T[p, n + p] = -1.0
@@ -228,32 +257,43 @@ def _node_lp(A, pi, L, U, G):
         T[P + p, n + 2 * P + p] = 1.0
         b[P + p] = U[p] - L[p]
         basis[P + p] = n + 2 * P + p
+    for r in range(R):
+        room = caps[r]
+        for p in range(P):
+            if cap_of[p] == r:
+                T[2 * P + r, n + p] = 1.0
+                room -= L[p]
+        if room < -1e-9:
+            return np.inf
+        T[2 * P + r, n + 3 * P + r] = 1.0
+        b[2 * P + r] = max(room, 0.0)
+        basis[2 * P + r] = n + 3 * P + r
     for c in range(n):
-        T[2 * P, c] = 1.0
-    T[2 * P, n + 3 * P] = 1.0
-    T[2 * P, n + 3 * P + 1] = -1.0
-    b[2 * P] = 1.0
-    basis[2 * P] = n + 3 * P
+        T[dr, c] = 1.0
+    T[dr, sh] = 1.0
+    T[dr, sh + 1] = -1.0
+    b[dr] = 1.0
+    basis[dr] = sh
     allowed = np.ones(ncol, dtype=np.bool_)
     # phase 1: drive the shortfall to zero
     obj = np.zeros(ncol + 1)
-    obj[n + 3 * P] = 1.0
+    obj[sh] = 1.0
     for k in range(ncol):
-        obj[k] -= T[2 * P, k]
-    obj[ncol] = -b[2 * P]
+        obj[k] -= T[dr, k]
+    obj[ncol] = -b[dr]
     if not _simplex(T, b, obj, basis, allowed):
         return np.nan
     if -obj[ncol] > 1e-9:
         return np.inf
     # phase 2: the pool costs. The shortfall never re-enters, and where phase 1 left it basic
     # at a rounding-level zero, a price above any saving keeps it from growing back.
-    allowed[n + 3 * P] = False
+    allowed[sh] = False
     obj[:] = 0.0
     big = 1.0
     for p in range(P):
         obj[n + p] = pi[p]
         big += pi[p] * U[p]
-    obj[n + 3 * P] = 1e6 * big
+    obj[sh] = 1e6 * big
     for i in range(m):
         cb = obj[basis[i]]
         if cb != 0.0:
@@ -274,12 +314,17 @@ def _node_lp(A, pi, L, U, G):
     return cost
 
 
-@numba.njit(cache=True)
-def _branch_and_bound(A, pi, count, node_cap):
-    """Cheapest integer G (0 <= G <= count) whose fluid throughput A^T x <= G reaches 1.
 
-    Depth-first; each node's LP solution rounded up is an incumbent (rounding G up keeps the
-    flow feasible). Returns (a lower bound on the optimum, the best G, nodes opened)."""
+@numba.njit(cache=True)
+def _branch_and_bound(A, pi, count, node_cap, cap_of, caps, integral):
+    """Cheapest integer G (0 <= G <= count, and the pools of each cap ``r`` (``cap_of[p] == r``,
+    -1 for none; one entry per pool)
+    summing to at most ``caps[r]``) whose fluid throughput A^T x <= G reaches 1. ``integral``:
+    every cost attained is a whole number (prices 0 and 1), which prunes more.
+
+    Depth-first; each node's LP solution rounded up is an incumbent when it keeps the caps
+    (rounding G up keeps the flow feasible). Returns (a lower bound on the optimum, the best G,
+    nodes opened)."""
     n, P = A.shape
     depth = 1
     for p in range(P):
@@ -289,13 +334,14 @@ def _branch_and_bound(A, pi, count, node_cap):
     stack_bound = np.zeros(depth + 1)
     for p in range(P):
         stack_U[0, p] = count[p]
-        if pi[p] <= 0.0:  # a free pool: take all of it
+        if pi[p] <= 0.0 and cap_of[p] < 0:  # a free pool: take all of it
             stack_L[0, p] = count[p]
     top = 1
     best = np.inf
     best_G = np.zeros(P)
     G = np.zeros(P)
     Gc = np.zeros(P)
+    used = np.zeros(caps.shape[0])
     open_bound = np.inf  # smallest bound of nodes left unexplored (cap or a failed LP)
     nodes = 0
     scale = 0.0
@@ -313,11 +359,13 @@ def _branch_and_bound(A, pi, count, node_cap):
             open_bound = min(open_bound, parent)
             continue
         nodes += 1
-        cost = _node_lp(A, pi, L, U, G)
+        cost = _node_lp(A, pi, L, U, G, cap_of, caps)
         if np.isnan(cost):
             open_bound = min(open_bound, parent)
             continue
         cost = max(cost, parent)  # a child's LP costs at least its parent's: a lower figure is the simplex's error
+        if integral:
+            cost = max(cost, math.ceil(cost - 1e-6))
         if cost >= best - tol:
             continue
         # a node LP whose answer lies outside its own bounds (17.117 for U = 17 was seen) is not
@@ -333,18 +381,26 @@ def _branch_and_bound(A, pi, count, node_cap):
             open_bound = min(open_bound, parent)
             continue
         rc = 0.0
+        used[:] = 0.0
         for p in range(P):
             Gc[p] = min(U[p], math.ceil(G[p] - 1e-7))
             rc += pi[p] * Gc[p]
+            if cap_of[p] >= 0:
+                used[cap_of[p]] += Gc[p]
+        capped = True
+        for r in range(caps.shape[0]):
+            if used[r] > caps[r] + 1e-9:
+                capped = False
         # the rounded-up LP answer is an incumbent when it carries the flow (checked: pruning
         # against a cost nothing attains would cut off the optimum)
-        if (rc < best or rc <= cost + tol) and fluid_throughput(A, Gc) >= 1.0 - 1e-9:
+        if capped and (rc < best or rc <= cost + tol) and fluid_throughput(A, Gc) >= 1.0 - 1e-9:
             if rc < best:
                 best = rc
                 best_G[:] = Gc
             if rc <= cost + tol:
                 continue
-        # branch on the fractional pool whose rounding costs most
+        # branch on the fractional pool whose rounding costs most; under caps, on the most
+        # fractional free one when no priced pool is fractional
         jb = -1
         wb = 0.0
         for p in range(P):
@@ -353,6 +409,12 @@ def _branch_and_bound(A, pi, count, node_cap):
                 w = pi[p] * (1.0 - f)
                 if w > wb:
                     wb = w
+                    jb = p
+        if jb < 0 and caps.shape[0] > 0:
+            for p in range(P):
+                f = G[p] - math.floor(G[p] + 1e-7)
+                if f > 1e-7 and min(f, 1.0 - f) + 1.0 > wb:
+                    wb = min(f, 1.0 - f) + 1.0
                     jb = p
         if jb < 0:
             continue

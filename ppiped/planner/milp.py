@@ -131,10 +131,55 @@ def in_child(fn: Callable[[], Any], limit_s: float) -> tuple[Any, str]:
     (no pickling of thousands of them), and ``multiprocessing`` refuses children of daemonic
     processes such as a process pool's workers.
     """
-    rfd, wfd = os.pipe()
+    out: list[tuple[Any, str]] = []
+    race([(fn, limit_s)], lambda _i, answer, how: out.append((answer, how)) or False)
+    return out[0]
+
+
+def race(jobs: Sequence[tuple[Callable[[], Any], float]],
+         settle: Callable[[int, Any, str], bool]) -> None:
+    """Run every ``(fn, limit_s)`` of ``jobs`` at once, each in a forked child (see
+    :func:`in_child`); ``settle(index, answer, how)`` is called as each ends (or is killed at
+    its limit), and when it returns True the children still running are killed and settled as
+    "stopped". How two searches share the cores: the first to settle the question ends both."""
     with contextlib.suppress(AttributeError, OSError, ValueError):
         sys.stdout.flush()
         sys.stderr.flush()
+    now = time.monotonic()
+    live: dict[int, tuple[int, int, float, list[bytes]]] = {}  # read fd -> index, pid, end, chunks
+    for i, (fn, limit_s) in enumerate(jobs):
+        rfd, pid = _fork(fn)
+        live[rfd] = (i, pid, now + limit_s, [])
+    stop = False
+    try:
+        while live and not stop:
+            left = min(e for _, _, e, _ in live.values()) - time.monotonic()
+            ready = select.select(list(live), [], [], max(0.0, left))[0] if left > 0 else []
+            for rfd in ready:
+                b = os.read(rfd, 1 << 20)
+                if b:
+                    live[rfd][3].append(b)
+                    continue
+                i, pid, _, chunks = live.pop(rfd)
+                os.close(rfd)
+                os.waitpid(pid, 0)
+                try:
+                    answer, how = pickle.loads(b"".join(chunks)), "ok"
+                except Exception:  # noqa: BLE001 - crashed or garbled: no answer
+                    answer, how = None, "crashed"
+                stop = settle(i, answer, how) or stop
+            for rfd in [r for r, (_, _, e, _) in live.items() if e <= time.monotonic()]:
+                i = _kill(rfd, live.pop(rfd))
+                stop = settle(i, None, "killed") or stop
+    finally:
+        for rfd in list(live):
+            i = _kill(rfd, live.pop(rfd))
+            settle(i, None, "stopped")
+
+
+def _fork(fn: Callable[[], Any]) -> tuple[int, int]:
+    """A child computing ``fn()`` and writing it pickled to a pipe: (read end, pid)."""
+    rfd, wfd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: compute, write the answer, leave without any clean-up
         code = 0
@@ -149,40 +194,16 @@ def in_child(fn: Callable[[], Any], limit_s: float) -> tuple[Any, str]:
         finally:
             os._exit(code)
     os.close(wfd)
-    data, killed = _read_child(rfd, pid, limit_s)
-    if killed:
-        return None, "killed"
-    try:
-        return pickle.loads(data), "ok"
-    except Exception:  # noqa: BLE001 - crashed or garbled: no answer
-        return None, "crashed"
+    return rfd, pid
 
 
-def _read_child(rfd: int, pid: int, limit_s: float) -> tuple[bytes, bool]:
-    """Everything the child writes before it exits or ``limit_s`` passes (then it is killed)."""
-    end = time.monotonic() + limit_s
-    chunks: list[bytes] = []
-    killed = False
-    try:
-        while True:
-            left = end - time.monotonic()
-            if left <= 0:
-                killed = True
-                break
-            ready, _, _ = select.select([rfd], [], [], left)
-            if not ready:
-                continue
-            b = os.read(rfd, 1 << 20)
-            if not b:
-                break
-            chunks.append(b)
-    finally:
-        os.close(rfd)
-        if killed:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    return b"".join(chunks), killed
+def _kill(rfd: int, child: tuple[int, int, float, list[bytes]]) -> int:
+    i, pid = child[0], child[1]
+    os.close(rfd)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return i
 
 
 def solve_allocation(
@@ -257,7 +278,8 @@ def solve_allocation(
         if left >= _CAPPED_MIN_LEFT_S:
             stats = S.full(_CAPPED_SHARE * left, capped=True)
         if not S.done() and time.perf_counter() < deadline - _DEADLINE_MARGIN_S:
-            stats = S.full(max(0.1, deadline - time.perf_counter() - _DEADLINE_MARGIN_S), capped=False)
+            stats = S.full(max(0.1, deadline - time.perf_counter() - _DEADLINE_MARGIN_S), capped=False,
+                           decompose=not share_gpus)
     cbc_proved = "optimal" in (S.phases.get("full_status"), S.phases.get("full_capped_status"))
     if not S.best:
         proven = cbc_proved or S.bound <= 1e-9
@@ -405,25 +427,69 @@ class _Search:
                 self.phases["bound_prices"] = {str(k): v for k, v in prices.items()}
         self.phases["lagrange"] = runs
 
-    def full(self, seconds: float, capped: bool) -> tuple[int, int, int]:
+    def _decompose_job(self, until: float) -> Callable[[], Any]:
+        """The exact search over per-model type vectors (:mod:`.decompose`) until ``until``, as
+        a child's job: picks as indices, objective, bound, stats (None: not applicable)."""
+        from .decompose import decompose_search
+
+        def run():
+            r = decompose_search(self.configs, self.weights, self.cluster, max(0.0, self.best_z),
+                                 self.bound, until, self.rel_gap)
+            if r is None:
+                return None
+            index = _index(self.configs)
+            return [(index[id(c)], counts) for c, counts in r.allocs], r.objective, r.bound, r.stats
+        return run
+
+    def _absorb_decompose(self, answer, how: str) -> None:
+        if how != "ok" or answer is None:
+            self.phases["decompose"] = how if how != "ok" else "skipped"
+            return
+        picks, _obj, bound, stats = answer
+        self.offer([Allocation(self.configs[mm][i], tuple(ns)) for (mm, i), ns in picks], "decompose")
+        if bound < self.bound:
+            self.bound = bound
+            self.phases["bound_by"] = "decompose"
+        self.phases["decompose"] = stats
+
+    def full(self, seconds: float, capped: bool, decompose: bool = False) -> tuple[int, int, int]:
         """The MILP over every configuration, warm-started from the incumbent, with ``z``
-        capped at the bound or free; returns its size (variables, integers, rows)."""
+        capped at the bound or free; returns its size (variables, integers, rows). With
+        ``decompose``, the exact search of :mod:`.decompose` runs beside it on a core of its
+        own (CBC gets one thread fewer), and whichever settles the optimum first ends both:
+        the search proves in seconds what CBC takes minutes for on some inputs, and CBC what
+        the search cannot on others (its per-model MILPs can be hard)."""
         name = "full_capped" if capped else "full"
-        r = _cbc(self.configs, self.weights, self.cluster, self.bound if capped else None, seconds,
-                 self.threads, self.rel_gap, self.best, self.share_gpus)
-        if r.killed:
-            self.phases[f"{name}_killed"] = True
-        self.offer(r.allocs, name)
-        if r.status == "optimal":
-            if max(self.best_z, r.bound) < self.bound:
-                self.bound = max(self.best_z, r.bound)
+        z_cap = self.bound if capped else None
+        threads = max(1, self.threads - 1) if decompose else self.threads
+        jobs = [(_cbc_job(self.configs, self.weights, self.cluster, z_cap, seconds, threads, self.rel_gap,
+                          self.best, self.share_gpus), seconds + KILL_GRACE_S)]
+        if decompose:
+            jobs.append((self._decompose_job(time.perf_counter() + seconds), seconds + KILL_GRACE_S))
+        size = [(0, 0, 0)]
+
+        def settle(i: int, answer, how: str) -> bool:
+            if i == 1:
+                self._absorb_decompose(answer, how)
+                return self.done()
+            r = _cbc_result(answer, how, self.configs, z_cap, seconds)
+            if r.killed:
+                self.phases[f"{name}_killed"] = True
+            self.offer(r.allocs, name)
+            if r.status == "optimal":
+                if max(self.best_z, r.bound) < self.bound:
+                    self.bound = max(self.best_z, r.bound)
+                    self.phases["bound_by"] = "cbc"
+            elif r.status in ("feasible", "no_solution_found", "other") and 0 < r.bound < self.bound:
+                self.bound = r.bound
                 self.phases["bound_by"] = "cbc"
-        elif r.status in ("feasible", "no_solution_found", "other") and 0 < r.bound < self.bound:
-            self.bound = r.bound
-            self.phases["bound_by"] = "cbc"
-        self.phases[f"{name}_status"] = r.status
+            self.phases[f"{name}_status"] = r.status
+            size[0] = (r.num_vars, r.num_int, r.num_constrs)
+            return self.done() or r.status == "optimal"
+
+        race(jobs, settle)
         self.lap(name)
-        return r.num_vars, r.num_int, r.num_constrs
+        return size[0]
 
     def restricted(self, seconds: float) -> None:
         """A MILP over the kept configurations only, for a quick good incumbent."""
@@ -476,16 +542,27 @@ KILL_GRACE_S = 3.0
 def _cbc(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start,
          share_gpus) -> _CbcResult:
     """One CBC run on the MILP over ``configs`` with ``z`` capped at ``z_cap`` (None: free), in
-    a child killed ``KILL_GRACE_S`` after ``time_limit_s``; the child sends back only indices
-    and counts."""
+    a child killed ``KILL_GRACE_S`` after ``time_limit_s``."""
+    answer, how = in_child(_cbc_job(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap,
+                                    start, share_gpus), time_limit_s + KILL_GRACE_S)
+    return _cbc_result(answer, how, configs, z_cap, time_limit_s)
+
+
+def _cbc_job(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap, start,
+             share_gpus) -> Callable[[], tuple]:
+    """A CBC run as a child's job; the child sends back only indices and counts."""
     def run():
         out = _cbc_in_process(configs, weights, cluster, z_cap, time_limit_s, threads, rel_gap,
                               start, share_gpus)
         index = _index(configs)
         return (out.status, [(index[id(a.config)], a.vgpus) for a in out.allocs], out.objective,
                 out.bound, out.num_vars, out.num_int, out.num_constrs)
+    return run
 
-    answer, how = in_child(run, time_limit_s + KILL_GRACE_S)
+
+def _cbc_result(answer, how: str, configs, z_cap, time_limit_s) -> _CbcResult:
+    if answer is None and how == "stopped":  # another search settled it first
+        return _CbcResult(how, [], -1.0, math.inf if z_cap is None else z_cap, 0, 0, 0)
     if answer is None:
         log.warning("planner: a CBC child was %s (limit %.1f s); keeping the best plan found "
                     "before it", how, time_limit_s)
@@ -591,11 +668,13 @@ class _Built:
     z: mip.Var
     budget_rows: dict[str, mip.Constr]
     model_rows: dict[str, mip.Constr]
+    gpus: dict[str, list[mip.Var]]  # per type, its whole-GPU counts G
 
 
 def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | None, threads: int,
-           share_gpus: bool = False) -> _Built:
-    """The MILP (or its LP relaxation). ``z_cap`` is a known bound on the objective.
+           share_gpus: bool = False, integer_gpus: bool = False) -> _Built:
+    """The MILP (or its LP relaxation; ``integer_gpus``: only the vGPU counts relaxed). ``z_cap``
+    is a known bound on the objective.
 
     With a cap, no model needs more than weight × cap: pipelines and pools may be bounded by
     that without losing any optimum (surplus vGPUs can always be taken away), which keeps the
@@ -642,7 +721,8 @@ def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | Non
     per_type: dict[str, list[mip.Var]] = defaultdict(list)
     for key, terms in pool_use.items():
         g = key[0]
-        G = m.add_var(f"G{len(per_type[g])}_{g}", var_type=kind, lb=0, ub=cluster.gpus[g].count)
+        G = m.add_var(f"G{len(per_type[g])}_{g}", var_type=mip.INTEGER if integer_gpus else kind, lb=0,
+                      ub=cluster.gpus[g].count)
         # Integer coefficients (in 1/lcm of the splits) let CBC derive knapsack and MIR cuts.
         lcm = math.lcm(*(round(1 / coef) for coef, _ in terms))
         m += mip.xsum(round(coef * lcm) * n for coef, n in terms) <= lcm * G
@@ -651,7 +731,7 @@ def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | Non
     for g, Gs in per_type.items():
         rows[g] = m.add_constr(mip.xsum(Gs) <= cluster.gpus[g].count, name=f"budget_{g}")
     m.objective = mip.maximize(z)
-    return _Built(m, xs, z, rows, model_rows)
+    return _Built(m, xs, z, rows, model_rows, dict(per_type))
 
 
 def _greedy(configs, weights, cluster: Cluster, prices: dict[str, float],
