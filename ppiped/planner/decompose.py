@@ -48,7 +48,7 @@ MAX_POINTS = 60_000
 MAX_MODELS = 8
 # Seconds one per-model MILP may take before the search gives up on the point.
 _ORACLE_S = 5.0
-_CBC_OPTS: dict = {"cuts": 0, "preprocess": 0}
+_CBC_OPTS: dict = {"cuts": 0}
 
 
 @dataclass
@@ -79,39 +79,67 @@ class _Grid:
 
 
 class _Oracle:
-    """One model's MILPs with caps on the other types and a demand: the fewest GPUs of the last
-    type, with fractional vGPUs (a bound) or exact."""
+    """One model's exact MILP (whole vGPUs, whole GPUs per pool) with caps on the other types and
+    a demand: the fewest GPUs of the last type. Every count may go one GPU past the cluster
+    (the answer then reads "does not fit"), so no optimum sits at a variable's bound: CBC
+    2.935 called such instances infeasible (min G, G <= 4, optimum 4), the bound propagation
+    that :func:`.milp.cbc_model` turns off aside."""
 
     def __init__(self, model: str, configs: list[PipelineConfig], cluster: Cluster, others: list[str],
                  last: str):
-        from .milp import _build
-
         self.model, self.others, self.last = model, others, last
-        self.built = {}
-        for exact in (False, True):
-            b = _build({model: configs}, {model: 1.0}, cluster, integer=exact, z_cap=None, threads=1,
-                       integer_gpus=True)
-            b.model.objective = mip.minimize(mip.xsum(b.gpus.get(last, [])))
-            b.model.sense = mip.MINIMIZE
-            b.model.max_mip_gap = 1e-9
-            b.model.max_mip_gap_abs = 0.5  # the objective counts whole GPUs
-            for k, v in _CBC_OPTS.items():
-                setattr(b.model, k, v)
-            self.built[exact] = b
-        self.calls = {False: 0, True: 0}
+        from .milp import cbc_model
 
-    def solve(self, exact: bool, caps: tuple[int, ...], demand: float, limit_s: float
-              ) -> tuple[float, float, tuple | None]:
-        """(lower bound, value of a solution or inf, its (config, counts) list or None)."""
-        b = self.built[exact]
-        self.calls[exact] += 1
-        if demand > b.z.ub * (1 + 1e-9):
-            return INF, INF, None
-        b.z.lb = demand
+        m = cbc_model(mip.MINIMIZE)
+        m.threads = 1
+        pools: dict[tuple[int, str], list[tuple[int, mip.Var]]] = defaultdict(list)
+        self.xs: list[tuple[PipelineConfig, list[mip.Var]]] = []
+        xs = []
+        for c in configs:
+            x = m.add_var(lb=0.0)
+            ub = [(cluster.gpus[s.gpu].count + 1) * s.split for s in c.segments]
+            if c.tied:
+                n = m.add_var(var_type=mip.INTEGER, lb=0, ub=max(ub))
+                m += x <= min(s.rps_per_vgpu for s in c.segments) * n
+                ns = [n] * len(c.segments)
+            else:
+                ns = [m.add_var(var_type=mip.INTEGER, lb=0, ub=u) for u in ub]
+                for s, n in zip(c.segments, ns, strict=True):
+                    m += x <= s.rps_per_vgpu * n
+            for d, (s, n) in enumerate(zip(c.segments, ns, strict=True)):
+                pools[(d, s.gpu)].append((s.split, n))
+            self.xs.append((c, ns))
+            xs.append(x)
+        self.demand_row = m.add_constr(mip.xsum(xs) >= 0.0)
+        per_type: dict[str, list[mip.Var]] = defaultdict(list)
+        for (_, g), terms in pools.items():
+            G = m.add_var(var_type=mip.INTEGER, lb=0, ub=cluster.gpus[g].count + 1)
+            lcm = math.lcm(*(split for split, _ in terms))
+            m += mip.xsum((lcm // split) * n for split, n in terms) <= lcm * G
+            per_type[g].append(G)
+        self.cap_rows = {g: m.add_constr(mip.xsum(per_type[g]) <= cluster.gpus[g].count)
+                         for g in others if per_type.get(g)}
+        self.last_gpus = per_type.get(last, [])
+        m.objective = mip.minimize(mip.xsum(self.last_gpus))
+        m.max_mip_gap = 1e-9
+        m.max_mip_gap_abs = 0.5  # the objective counts whole GPUs
+        # with CBC's default (1e-6 of a vGPU, it seems) demands up to 1e-5 of a vGPU's rate above a
+        # breakpoint (2000.00003 for 2 x 1000) were called infeasible
+        m.integer_tol = 1e-9
+        for k, v in _CBC_OPTS.items():
+            setattr(m, k, v)
+        self.m = m
+        self.calls = 0
+
+    def solve(self, caps: tuple[int, ...], demand: float, limit_s: float) -> tuple[float, float, list | None]:
+        """(lower bound, value of a solution or inf, its (config, counts) list or None). The
+        solution may serve a hair (CBC's tolerance) less than ``demand``: the caller checks."""
+        self.calls += 1
+        self.demand_row.rhs = demand
         for g, cap in zip(self.others, caps, strict=True):
-            if g in b.budget_rows:
-                b.budget_rows[g].rhs = cap
-        m = b.model
+            if g in self.cap_rows:
+                self.cap_rows[g].rhs = cap
+        m = self.m
         st = m.optimize(max_seconds=max(0.05, limit_s))
         if st == mip.OptimizationStatus.INFEASIBLE:
             return INF, INF, None
@@ -119,16 +147,14 @@ class _Oracle:
         lo = lo if math.isfinite(lo) else 0.0
         if not m.num_solutions:
             return max(0.0, lo), INF, None
-        val = float(round(sum(v.x for v in b.gpus.get(self.last, []))))
+        val = float(round(sum(v.x for v in self.last_gpus)))
         if st == mip.OptimizationStatus.OPTIMAL:
             lo = max(lo, val)  # the gap tolerance is below one GPU
-        picks = None
-        if exact:
-            picks = []
-            for c, _x, ns in b.xs:
-                counts = tuple(int(round(n.x)) for n in ns)
-                if min(counts) > 0:
-                    picks.append((c, counts))
+        picks = []
+        for c, ns in self.xs:
+            counts = tuple(int(round(n.x)) for n in ns)
+            if min(counts) > 0:
+                picks.append((c, counts))
         return min(lo, val), val, picks
 
 
@@ -152,10 +178,11 @@ def decompose_search(configs: dict[str, list[PipelineConfig]], weights: dict[str
     bound = INF
     tests = []
     prove = True
+    z_top = z_hi if math.isfinite(z_hi) else 0.0
     while time.perf_counter() < deadline:
         lo = max(z_lo, best_z)
         hi = min(z_hi, bound)
-        if hi <= lo * (1 + rel_gap) * (1 + 1e-9):
+        if hi <= lo * (1 + rel_gap) * (1 + 1e-9) + 1e-9 * z_top:
             break
         # alternately: is the best plan optimal (a test just above it), and a bisection step;
         # the first settles most searches, the second bounds how many steps the rest take
@@ -220,7 +247,7 @@ class _State:
         self.fluid_solves = 0
 
     def exact_solves(self) -> int:
-        return sum(o.calls[True] for o in self.oracles.values())
+        return sum(o.calls for o in self.oracles.values())
 
     def _priced(self, m: str, demand: float) -> np.ndarray:
         """Lagrangian lower bounds on T_m over the grid at ``demand``."""
@@ -273,23 +300,29 @@ class _State:
                 if exact and exact_done[i, p]:
                     continue
                 left = self.deadline - time.perf_counter()
+                caps = g.caps(p)
                 if exact:
-                    lo, val, picks = self.oracles[m].solve(True, g.caps(p), demands[i], min(_ORACLE_S, left))
+                    lo, val, picks = self.oracles[m].solve(caps, demands[i], min(_ORACLE_S, left))
                 else:
-                    caps = dict(zip(self.others, g.caps(p), strict=True))
-                    lo, val, picks = _whole(min_capped(self.pools[m], self.last, caps, demands[i])), INF, None
+                    lo = _whole(min_capped(self.pools[m], self.last, dict(zip(self.others, caps, strict=True)),
+                                           demands[i]))
+                    val, picks = INF, None
                     self.fluid_solves += 1
                 (exact_done if exact else fluid_done)[i, p] = True
                 progress = True
                 if lo > LB[i, p]:
                     _lift_lower(LB[i], g.dims, g.strides, p, lo)
-                if exact:
-                    served = _served(picks) if picks is not None else 0.0
-                    self.seen[m].append((demands[i], p, lo, val, picks, served))
-                    if picks is not None and val < UB[i, p]:
+                self.seen[m].append((demands[i], p, lo, INF, None, 0.0))
+                if exact and picks is not None and _served(picks) < demands[i] * (1 - 1e-12):
+                    # within CBC's tolerance of the demand but short of it: a plan must serve
+                    # it, so the solution comes from a demand a hair higher (its bound holds there)
+                    d_up = demands[i] * (1 + 1e-5)
+                    lo_up, val, picks = self.oracles[m].solve(caps, d_up, min(_ORACLE_S, left))
+                    self.seen[m].append((d_up, p, lo_up, INF, None, 0.0))
+                if exact and picks is not None and (served := _served(picks)) >= demands[i] * (1 - 1e-12):
+                    self.seen[m].append((demands[i], p, 0.0, val, picks, served))
+                    if val < UB[i, p]:
                         _cap_upper(UB[i], SRC[i], g.dims, g.strides, p, val, len(self.seen[m]) - 1)
-                elif lo > 0:
-                    self.seen[m].append((demands[i], p, lo, INF, None, 0.0))
             if not progress:
                 return None, []  # an exact MILP ran out of time on a point the split needs
 

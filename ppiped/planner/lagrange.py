@@ -416,21 +416,39 @@ def _branch_and_bound(A, pi, count, node_cap, cap_of, caps, integral):
                 if f > 1e-7 and min(f, 1.0 - f) + 1.0 > wb:
                     wb = min(f, 1.0 - f) + 1.0
                     jb = p
-        if jb < 0:
-            continue
+        up = 0.0
+        down = 0.0
+        if jb >= 0:
+            up = math.ceil(G[jb] - 1e-7)
+            down = math.floor(G[jb] + 1e-7)
+        else:
+            # whole within the tolerance, yet its rounding does not carry the flow (2 + 1e-7
+            # GPUs rounded to 2): branch on the largest fraction however small, and where there
+            # is none keep the node's cost as a bound; dropping it lost the optimum (the cost
+            # came back inf with a free pool that nearly served the demand alone)
+            wb = 0.0
+            for p in range(P):
+                f = G[p] - math.floor(G[p])
+                if f > wb and math.floor(G[p]) < math.ceil(G[p]):
+                    wb = f
+                    jb = p
+            if jb < 0:
+                open_bound = min(open_bound, cost)
+                continue
+            up = math.ceil(G[jb])
+            down = math.floor(G[jb])
         if top + 2 > depth + 1:  # cannot happen (each branch narrows a range); never write past it
             open_bound = min(open_bound, cost)
             continue
-        v = G[jb]
         # up child below the down child, so the cheaper (down) side is searched first
         stack_L[top] = L
         stack_U[top] = U
-        stack_L[top, jb] = math.ceil(v - 1e-7)
+        stack_L[top, jb] = up
         stack_bound[top] = cost
         top += 1
         stack_L[top] = L
         stack_U[top] = U
-        stack_U[top, jb] = math.floor(v + 1e-7)
+        stack_U[top, jb] = down
         stack_bound[top] = cost
         top += 1
     lower = min(best, open_bound) - tol

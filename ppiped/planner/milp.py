@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mip
-import mip.cbc  # noqa: F401 - parse CBC's cffi declarations (0.4 s) once, before any child forks
+import mip.cbc  # parse CBC's cffi declarations (0.4 s) once, before any child forks
 
 from ..cluster import Cluster
 from ..plan import gpus_used
@@ -108,6 +108,18 @@ def quiet_stdout() -> Iterator[None]:
         os.dup2(saved, fd)
         os.close(saved)
         os.close(devnull)
+
+
+def cbc_model(sense: str) -> mip.Model:
+    """A quiet CBC model without the bound propagation of CBC 2.935 (cbcbox): before the root LP
+    and at nodes it called feasible MILPs infeasible ("FBBT divergence ... a Bellman-Ford
+    positive-cycle certificate" on min G, x <= 51 n, x >= 265, n <= G <= 7), which at a node
+    would prune the optimum and still report "optimal"."""
+    m = mip.Model(sense=sense, solver_name=mip.CBC)
+    m.verbose = 0
+    mip.cbc.cbc_set_parameter(m.solver, "boundPropLevel", "off")
+    mip.cbc.cbc_set_parameter(m.solver, "nodeBoundProp", "off")
+    return m
 
 
 def gpu_budget_used(allocs: list[Allocation], share_gpus: bool = False) -> dict[str, int]:
@@ -680,8 +692,7 @@ def _build(configs, weights, cluster: Cluster, integer: bool, z_cap: float | Non
     that without losing any optimum (surplus vGPUs can always be taken away), which keeps the
     integer variables' ranges, and so CBC's branching, small.
     """
-    m = mip.Model(sense=mip.MAXIMIZE, solver_name=mip.CBC)
-    m.verbose = 0
+    m = cbc_model(mip.MAXIMIZE)
     m.threads = threads
     kind = mip.INTEGER if integer else mip.CONTINUOUS
     models = list(configs)

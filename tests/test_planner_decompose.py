@@ -1,0 +1,155 @@
+"""The exact search over per-model GPU-type vectors (ppiped/planner/decompose.py).
+
+Checked against CBC's proven optimum of the full MILP on generated configurations with three
+GPU types, its pieces against brute force (no shared data needed), and the race that runs it
+beside CBC.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+from test_planner_lagrange import TYPES, instances
+
+from ppiped.planner import decompose, lagrange, milp
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inst=instances(max_models=3))
+def test_the_search_finds_and_proves_cbcs_optimum(inst):
+    configs, weights, cluster = inst
+    full = milp._cbc(configs, weights, cluster, None, 60.0, 1, 1e-9, [], False)
+    if full.status != "optimal":
+        return  # nothing proven to compare with
+    note(f"CBC optimum {full.objective}")
+    hi = 2 * full.objective + 1.0  # any valid bound will do
+    r = decompose.decompose_search(configs, weights, cluster, 0.0, hi, time.perf_counter() + 60, 1e-6)
+    assert r is not None
+    note(f"search: objective {r.objective} bound {r.bound} {r.stats}")
+    assert r.bound >= full.objective * (1 - 1e-9) - 1e-9, "the bound cuts off CBC's optimum"
+    if full.objective <= 1e-9:
+        return
+    allocs = [milp.Allocation(c, n) for c, n in r.allocs]
+    assert milp._fits(allocs, cluster, False), "the plan breaks PPipe's GPU rule"
+    assert r.objective == pytest.approx(milp._objective(allocs, weights), rel=1e-9)
+    assert r.objective == pytest.approx(full.objective, rel=1e-6)
+    assert r.bound <= r.objective * (1 + 2e-6), "the search ended without proving its plan optimal"
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inst=instances(max_models=1), caps=st.lists(st.integers(0, 6), min_size=2, max_size=2),
+       share=st.floats(0.05, 1.1))
+def test_the_capped_oracle_matches_brute_force(inst, caps, share):
+    """Fewest whole GPUs of the last type (vGPU counts continuous) under caps on the others:
+    the branch-and-bound against every integer pool vector."""
+    configs, _, cluster = inst
+    (name, cs), = configs.items()
+    mp = lagrange.model_pools(name, cs, cluster)
+    demand = share * lagrange.fluid_throughput(mp.use, mp.count)
+    last, others = TYPES[2], dict(zip(TYPES[:2], caps, strict=True))
+    got = lagrange.min_capped(mp, last, others, demand)
+    want = math.inf
+    for G in itertools.product(*(range(int(c) + 1) for c in mp.count)):
+        per_type = {g: 0 for g in TYPES}
+        for (_, g), n in zip(mp.pools, G, strict=True):
+            per_type[g] += n
+        if any(per_type[g] > c for g, c in others.items()) or per_type[last] >= want:
+            continue
+        if lagrange.fluid_throughput(mp.use, np.array(G, dtype=float)) >= demand * (1 - 1e-9):
+            want = per_type[last]
+    note(f"pools {mp.pools} demand {demand} got {got} want {want}")
+    if math.isinf(want):
+        assert math.isinf(got)
+    else:
+        assert want - 1e-6 <= got <= want + 1e-6
+
+
+@st.composite
+def tables(draw):
+    """Nonincreasing integer tables over a small grid, one per model."""
+    dims = draw(st.lists(st.integers(1, 4), min_size=0, max_size=2), label="grid")
+    M = draw(st.integers(1, 3), label="models")
+    size = int(np.prod(dims)) if dims else 1
+    T = np.zeros((M, size))
+    for m in range(M):
+        raw = np.array(draw(st.lists(st.integers(0, 9), min_size=size, max_size=size))).reshape(dims or ())
+        for ax in range(len(dims)):  # nonincreasing along every axis: suffix maxima
+            raw = np.flip(np.maximum.accumulate(np.flip(raw, ax), axis=ax), ax)
+        T[m] = np.asarray(raw, dtype=float).reshape(-1)
+        if draw(st.booleans()):
+            T[m, 0] = np.inf  # nothing at all serves the model
+    return dims, T
+
+
+@settings(max_examples=80, deadline=None)
+@given(tab=tables())
+def test_the_split_is_the_best_one(tab):
+    dims, T = tab
+    grid = decompose._Grid([d - 1 for d in dims])
+    v, pts = decompose._master(T, grid.dims, grid.strides)
+    coords = [tuple(grid.coords[p]) for p in range(grid.size)]
+    top = np.array(dims) - 1
+    best = np.inf
+    for combo in itertools.product(range(grid.size), repeat=T.shape[0]):
+        if np.all(sum((np.array(coords[p]) for p in combo), np.zeros(len(dims), dtype=int)) <= top):
+            best = min(best, sum(T[m, p] for m, p in enumerate(combo)))
+    assert v == best
+    if math.isfinite(v):
+        assert sum(T[m, p] for m, p in enumerate(pts)) == v
+        assert np.all(sum((np.array(coords[p]) for p in pts), np.zeros(len(dims), dtype=int)) <= top)
+
+
+def test_bounds_spread_over_the_orthants():
+    grid = decompose._Grid([3, 4, 2])
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        p = int(rng.integers(grid.size))
+        lo = rng.integers(0, 5, grid.size).astype(float)
+        want = lo.copy()
+        below = np.all(grid.coords <= grid.coords[p], axis=1)
+        want[below] = np.maximum(want[below], 3.0)
+        decompose._lift_lower(lo, grid.dims, grid.strides, p, 3.0)
+        assert np.array_equal(lo, want)
+        ub = rng.integers(0, 5, grid.size).astype(float)
+        src = np.full(grid.size, -1, dtype=np.int64)
+        want = ub.copy()
+        above = np.all(grid.coords >= grid.coords[p], axis=1)
+        lower = above & (ub > 2.0)
+        want[lower] = 2.0
+        decompose._cap_upper(ub, src, grid.dims, grid.strides, p, 2.0, 5)
+        assert np.array_equal(ub, want) and np.array_equal(src == 5, lower)
+
+
+def test_a_grid_too_large_is_left_to_the_milp():
+    configs, weights, cluster = _world("A:300,B:300,C:300")
+    assert decompose.decompose_search(configs, weights, cluster, 0.0, 1e9, time.perf_counter() + 5, 1e-6) is None
+
+
+def _world(gpus: str):
+    from ppiped.cluster import cluster_from_flags
+    from ppiped.planner.configs import PipelineConfig, Segment
+
+    cluster = cluster_from_flags(gpus, "1,1,1", "1,1,1", 10.0)
+    cs = [PipelineConfig("m0", 1, (Segment(0, 1, g, 1, 1.0, 0.0, 10.0 + i),), 1.0) for i, g in enumerate(TYPES)]
+    return {"m0": cs}, {"m0": 1.0}, cluster
+
+
+def test_the_race_kills_at_the_limit_and_stops_the_rest_once_settled():
+    seen = []
+
+    def settle(i, answer, how):
+        seen.append((i, answer, how))
+        return i == 1
+
+    t0 = time.monotonic()
+    milp.race([(lambda: time.sleep(30), 60.0), (lambda: 42, 60.0)], settle)
+    assert seen == [(1, 42, "ok"), (0, None, "stopped")] and time.monotonic() - t0 < 10
+    seen.clear()
+    milp.race([(lambda: time.sleep(30), 0.5), (lambda: 7, 5.0)], lambda i, a, h: seen.append((i, a, h)) or False)
+    assert sorted(seen) == [(0, None, "killed"), (1, 7, "ok")]
