@@ -153,3 +153,26 @@ def test_the_race_kills_at_the_limit_and_stops_the_rest_once_settled():
     seen.clear()
     milp.race([(lambda: time.sleep(30), 0.5), (lambda: 7, 5.0)], lambda i, a, h: seen.append((i, a, h)) or False)
     assert sorted(seen) == [(0, None, "killed"), (1, 7, "ok")]
+
+
+def test_cbc_models_are_built_without_the_bound_propagation_that_calls_feasible_ones_infeasible():
+    """min G with x <= 10 n0, x <= 10 n1, x <= 51 n2, their sum >= 265, n0 + n1 + n2 <= G <= 7:
+    six GPUs of the 51 pipeline serve it; cbcbox 2.935's default bound propagation said
+    "infeasible" ("FBBT divergence")."""
+    def run():
+        m = milp.cbc_model("MIN")
+        xs, ns = [], []
+        for r in (10.0, 10.0, 51.0):
+            x, n = m.add_var(), m.add_var(var_type="I", ub=7)
+            m += x <= r * n
+            xs.append(x)
+            ns.append(n)
+        m += xs[0] + xs[1] + xs[2] >= 265.0
+        G = m.add_var(var_type="I", ub=7)
+        m += ns[0] + ns[1] + ns[2] <= G
+        m.objective = G
+        with milp.quiet_stdout():
+            return m.optimize(max_seconds=10).name, m.objective_value
+
+    answer, how = milp.in_child(run, 30.0)
+    assert how == "ok" and answer == ("OPTIMAL", pytest.approx(6.0))

@@ -256,3 +256,15 @@ print("ok")
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stderr[-2000:])
+
+
+def test_a_node_whole_within_tolerance_but_short_of_the_flow_is_not_dropped():
+    """Two free B GPUs carry all but 1e-7 of the demand: the LP's A count (1e-7) is whole within
+    the tolerance, its rounding carries too little, and the node was dropped: the cost came back
+    inf, and the Lagrangian bound with it would cut off every plan."""
+    cs = [PipelineConfig("m0", 1, (Segment(0, 1, "B", 1, 1.0, 0.0, 10.0),), 1.0),
+          PipelineConfig("m0", 1, (Segment(0, 1, "A", 1, 1.0, 0.0, 21.0),), 1.0)]
+    mp = lagrange.model_pools("m0", cs, cluster_from_flags("A:2,B:2", "1,1", "1,1", 10.0))
+    for price_b in (0.0, 0.25):
+        cost, G, _ = lagrange.min_cost(mp, {"A": 1.0, "B": price_b}, 20.000002)
+        assert cost == pytest.approx(1.0, abs=1e-6) and G[mp.pools.index((0, "A"))] == 1
