@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import logging
 import math
 import os
@@ -145,52 +146,61 @@ def in_child(fn: Callable[[], Any], limit_s: float) -> tuple[Any, str]:
     """
     out: list[tuple[Any, str]] = []
     race([(fn, limit_s)], lambda _i, answer, how: out.append((answer, how)) or False)
-    return out[0]
+    return next((o for o in out if o[1] == "ok"), out[-1])
 
 
 def race(jobs: Sequence[tuple[Callable[[], Any], float]],
          settle: Callable[[int, Any, str], bool]) -> None:
     """Run every ``(fn, limit_s)`` of ``jobs`` at once, each in a forked child (see
-    :func:`in_child`); ``settle(index, answer, how)`` is called as each ends (or is killed at
-    its limit), and when it returns True the children still running are killed and settled as
-    "stopped". How two searches share the cores: the first to settle the question ends both."""
+    :func:`in_child`). ``settle(index, answer, "ok")`` is called for each answer as it arrives
+    (a job that returns a generator sends one per item), and once more with None and "killed"
+    (its limit passed), "crashed" or "stopped" (one that had sent nothing) for a child that did
+    not finish cleanly. When ``settle`` returns True the children still running are stopped. How two searches share the
+    cores: the first to settle the question ends both."""
     with contextlib.suppress(AttributeError, OSError, ValueError):
         sys.stdout.flush()
         sys.stderr.flush()
     now = time.monotonic()
-    live: dict[int, tuple[int, int, float, list[bytes]]] = {}  # read fd -> index, pid, end, chunks
+    live: dict[int, list] = {}  # read fd -> [index, pid, end, buffer, answers so far]
     for i, (fn, limit_s) in enumerate(jobs):
         rfd, pid = _fork(fn)
-        live[rfd] = (i, pid, now + limit_s, [])
+        live[rfd] = [i, pid, now + limit_s, b"", 0]
     stop = False
     try:
         while live and not stop:
-            left = min(e for _, _, e, _ in live.values()) - time.monotonic()
+            left = min(c[2] for c in live.values()) - time.monotonic()
             ready = select.select(list(live), [], [], max(0.0, left))[0] if left > 0 else []
             for rfd in ready:
+                child = live[rfd]
                 b = os.read(rfd, 1 << 20)
                 if b:
-                    live[rfd][3].append(b)
+                    child[3] += b
+                    while len(child[3]) >= 8 and len(child[3]) >= 8 + (n := int.from_bytes(child[3][:8], "little")):
+                        frame, child[3] = child[3][8:8 + n], child[3][8 + n:]
+                        try:
+                            answer, how = pickle.loads(frame), "ok"
+                        except Exception:  # noqa: BLE001 - garbled: no answer
+                            answer, how = None, "crashed"
+                        child[4] += 1
+                        stop = settle(child[0], answer, how) or stop
                     continue
-                i, pid, _, chunks = live.pop(rfd)
+                del live[rfd]
                 os.close(rfd)
-                os.waitpid(pid, 0)
-                try:
-                    answer, how = pickle.loads(b"".join(chunks)), "ok"
-                except Exception:  # noqa: BLE001 - crashed or garbled: no answer
-                    answer, how = None, "crashed"
-                stop = settle(i, answer, how) or stop
-            for rfd in [r for r, (_, _, e, _) in live.items() if e <= time.monotonic()]:
-                i = _kill(rfd, live.pop(rfd))
-                stop = settle(i, None, "killed") or stop
+                _, status = os.waitpid(child[1], 0)
+                if status != 0 or child[3]:
+                    stop = settle(child[0], None, "crashed") or stop
+            for rfd in [r for r, c in live.items() if c[2] <= time.monotonic()]:
+                stop = settle(_kill(rfd, live.pop(rfd))[0], None, "killed") or stop
     finally:
         for rfd in list(live):
-            i = _kill(rfd, live.pop(rfd))
-            settle(i, None, "stopped")
+            child = live.pop(rfd)
+            if not _kill(rfd, child)[1]:
+                settle(child[0], None, "stopped")
 
 
 def _fork(fn: Callable[[], Any]) -> tuple[int, int]:
-    """A child computing ``fn()`` and writing it pickled to a pipe: (read end, pid)."""
+    """A child computing ``fn()`` (each item, if a generator) and writing it pickled, length
+    first, to a pipe: (read end, pid)."""
     rfd, wfd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: compute, write the answer, leave without any clean-up
@@ -198,9 +208,12 @@ def _fork(fn: Callable[[], Any]) -> tuple[int, int]:
         try:
             os.close(rfd)
             gc.disable()
-            data = pickle.dumps(fn())
+            out = fn()
             with os.fdopen(wfd, "wb") as f:
-                f.write(data)
+                for item in out if inspect.isgenerator(out) else [out]:
+                    data = pickle.dumps(item)
+                    f.write(len(data).to_bytes(8, "little") + data)
+                    f.flush()
         except BaseException:  # noqa: BLE001 - the parent sees a missing answer and says so
             code = 1
         finally:
@@ -209,13 +222,13 @@ def _fork(fn: Callable[[], Any]) -> tuple[int, int]:
     return rfd, pid
 
 
-def _kill(rfd: int, child: tuple[int, int, float, list[bytes]]) -> int:
-    i, pid = child[0], child[1]
+def _kill(rfd: int, child: list) -> tuple[int, int]:
+    """Kill a child; (its job's index, the answers it sent)."""
     os.close(rfd)
     with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return i
+        os.kill(child[1], signal.SIGKILL)
+    os.waitpid(child[1], 0)
+    return child[0], child[4]
 
 
 def solve_allocation(
@@ -279,7 +292,7 @@ def solve_allocation(
         S.lagrange(time.perf_counter() + _LAGRANGE_SHARE * (deadline - time.perf_counter()))
         S.lap("lagrange")
     stats = (0, 0, 0)
-    if not S.done() and time.perf_counter() < deadline:
+    if not S.done() and time.perf_counter() < deadline - _DEADLINE_MARGIN_S:
         # The full MILP with z free: under a cap the optimum does not attain, every node's LP
         # sits at the cap and CBC's bound cannot move until the whole tree above it is closed
         # (3 and 4 GPU types, 10 and 20 s: capped alone proved 1-4 and 1 of 12, free 7-8 and 5).
@@ -287,11 +300,8 @@ def solve_allocation(
         # much the quicker (maf21 efficientnet V100-P4: 8 s capped, 53 s free); at 10-20 s
         # limits its share cost more proofs than it gave (capped first: 6 and 3 of 12).
         left = deadline - time.perf_counter() - _DEADLINE_MARGIN_S
-        if left >= _CAPPED_MIN_LEFT_S:
-            stats = S.full(_CAPPED_SHARE * left, capped=True)
-        if not S.done() and time.perf_counter() < deadline - _DEADLINE_MARGIN_S:
-            stats = S.full(max(0.1, deadline - time.perf_counter() - _DEADLINE_MARGIN_S), capped=False,
-                           decompose=not share_gpus)
+        stats = S.full(left, _CAPPED_SHARE * left if left >= _CAPPED_MIN_LEFT_S else 0.0,
+                       decompose=not share_gpus)
     cbc_proved = "optimal" in (S.phases.get("full_status"), S.phases.get("full_capped_status"))
     if not S.best:
         proven = cbc_proved or S.bound <= 1e-9
@@ -464,29 +474,52 @@ class _Search:
             self.phases["bound_by"] = "decompose"
         self.phases["decompose"] = stats
 
-    def full(self, seconds: float, capped: bool, decompose: bool = False) -> tuple[int, int, int]:
-        """The MILP over every configuration, warm-started from the incumbent, with ``z``
-        capped at the bound or free; returns its size (variables, integers, rows). With
-        ``decompose``, the exact search of :mod:`.decompose` runs beside it on a core of its
-        own (CBC gets one thread fewer), and whichever settles the optimum first ends both:
-        the search proves in seconds what CBC takes minutes for on some inputs, and CBC what
-        the search cannot on others (its per-model MILPs can be hard)."""
-        name = "full_capped" if capped else "full"
-        z_cap = self.bound if capped else None
+    def full(self, seconds: float, capped_s: float, decompose: bool = False) -> tuple[int, int, int]:
+        """The MILP over every configuration, warm-started from the incumbent, for ``seconds``:
+        its first ``capped_s`` with ``z`` capped at the bound, then free. Returns its size
+        (variables, integers, rows). With ``decompose``, the exact search of :mod:`.decompose`
+        runs beside it on a core of its own (CBC gets one thread fewer), and whichever settles
+        the optimum first ends both: the search proves in seconds what CBC takes minutes for
+        on some inputs, and CBC what the search cannot on others (its per-model MILPs can be
+        hard)."""
         threads = max(1, self.threads - 1) if decompose else self.threads
-        jobs = [(_cbc_job(self.configs, self.weights, self.cluster, z_cap, seconds, threads, self.rel_gap,
-                          self.best, self.share_gpus), seconds + KILL_GRACE_S)]
+        end = time.perf_counter() + seconds
+        configs, weights, cluster, rel_gap, share = self.configs, self.weights, self.cluster, self.rel_gap, self.share_gpus
+        bound, best = self.bound, self.best
+
+        def cbc_runs():
+            start = best
+            if capped_s > 0:
+                answer = _cbc_job(configs, weights, cluster, bound, capped_s, threads, rel_gap, start, share)()
+                yield "full_capped", answer
+                if answer[0] == "optimal":
+                    return
+                r = _cbc_result(answer, "ok", configs, bound, capped_s)
+                if r.allocs and (not start or _objective(r.allocs, weights) > _objective(start, weights)):
+                    start = r.allocs
+            left = max(0.1, end - time.perf_counter())
+            yield "full", _cbc_job(configs, weights, cluster, None, left, threads, rel_gap, start, share)()
+
+        jobs = [(cbc_runs, seconds + KILL_GRACE_S)]
         if decompose:
-            jobs.append((self._decompose_job(time.perf_counter() + seconds), seconds + KILL_GRACE_S))
+            jobs.append((self._decompose_job(end), seconds + KILL_GRACE_S))
         size = [(0, 0, 0)]
+        names = ["full_capped" if capped_s > 0 else "full"]  # the run under way
 
         def settle(i: int, answer, how: str) -> bool:
             if i == 1:
                 self._absorb_decompose(answer, how)
                 return self.done()
+            if how != "ok":
+                if how != "stopped":
+                    self.phases[f"{names[-1]}_killed"] = True
+                    self.phases[f"{names[-1]}_status"] = how
+                    log.warning("planner: a CBC child was %s (limit %.1f s); keeping the best plan "
+                                "found before it", how, seconds)
+                return False
+            name, answer = answer
+            z_cap = bound if name == "full_capped" else None
             r = _cbc_result(answer, how, self.configs, z_cap, seconds)
-            if r.killed:
-                self.phases[f"{name}_killed"] = True
             self.offer(r.allocs, name)
             if r.status == "optimal":
                 if max(self.best_z, r.bound) < self.bound:
@@ -496,11 +529,13 @@ class _Search:
                 self.bound = r.bound
                 self.phases["bound_by"] = "cbc"
             self.phases[f"{name}_status"] = r.status
+            self.lap(name)
+            names.append("full")
             size[0] = (r.num_vars, r.num_int, r.num_constrs)
             return self.done() or r.status == "optimal"
 
         race(jobs, settle)
-        self.lap(name)
+        self.lap("full_rest")
         return size[0]
 
     def restricted(self, seconds: float) -> None:
