@@ -48,6 +48,8 @@ MAX_POINTS = 60_000
 MAX_MODELS = 8
 # Seconds one per-model MILP may take before the search gives up on the point.
 _ORACLE_S = 5.0
+# ... and with its pools' GPUs fixed at the fractional-vGPU optimum's.
+_FIXED_S = 0.5
 _CBC_OPTS: dict = {"cuts": 0}
 
 
@@ -87,7 +89,7 @@ class _Oracle:
 
     def __init__(self, model: str, configs: list[PipelineConfig], cluster: Cluster, others: list[str],
                  last: str):
-        self.model, self.others, self.last = model, others, last
+        self.model, self.others, self.last, self.cluster = model, others, last, cluster
         from .milp import cbc_model
 
         m = cbc_model(mip.MINIMIZE)
@@ -112,14 +114,18 @@ class _Oracle:
             xs.append(x)
         self.demand_row = m.add_constr(mip.xsum(xs) >= 0.0)
         per_type: dict[str, list[mip.Var]] = defaultdict(list)
-        for (_, g), terms in pools.items():
-            G = m.add_var(var_type=mip.INTEGER, lb=0, ub=cluster.gpus[g].count + 1)
+        self.pool_gpus: dict[tuple[int, str], mip.Var] = {}
+        for (d, g), terms in pools.items():
+            G = self.pool_gpus[(d, g)] = m.add_var(var_type=mip.INTEGER, lb=0, ub=cluster.gpus[g].count + 1)
             lcm = math.lcm(*(split for split, _ in terms))
             m += mip.xsum((lcm // split) * n for split, n in terms) <= lcm * G
             per_type[g].append(G)
         self.cap_rows = {g: m.add_constr(mip.xsum(per_type[g]) <= cluster.gpus[g].count)
                          for g in others if per_type.get(g)}
         self.last_gpus = per_type.get(last, [])
+        # what the caller knows already (the fractional-vGPU bound, the neighbours' values):
+        # CBC's root bound starts there, and where a plan meets it, it is done at once
+        self.known_row = m.add_constr(mip.xsum(self.last_gpus) >= 0.0)
         m.objective = mip.minimize(mip.xsum(self.last_gpus))
         m.max_mip_gap = 1e-9
         m.max_mip_gap_abs = 0.5  # the objective counts whole GPUs
@@ -131,16 +137,26 @@ class _Oracle:
         self.m = m
         self.calls = 0
 
-    def solve(self, caps: tuple[int, ...], demand: float, limit_s: float) -> tuple[float, float, list | None]:
+    def solve(self, caps: tuple[int, ...], demand: float, limit_s: float, known: float = 0.0,
+              fixed: dict[tuple[int, str], int] | None = None) -> tuple[float, float, list | None]:
         """(lower bound, value of a solution or inf, its (config, counts) list or None). The
         solution may serve a hair (CBC's tolerance) less than ``demand``: the caller checks."""
         self.calls += 1
+        if fixed is not None:  # the pools' GPUs fixed: whether whole vGPUs fill them
+            for key, G in self.pool_gpus.items():
+                G.lb = G.ub = fixed.get(key, 0)
         self.demand_row.rhs = demand
+        self.known_row.rhs = known if math.isfinite(known) else 0.0
         for g, cap in zip(self.others, caps, strict=True):
             if g in self.cap_rows:
                 self.cap_rows[g].rhs = cap
         m = self.m
         st = m.optimize(max_seconds=max(0.05, limit_s))
+        if fixed is not None:
+            for (_, g), G in self.pool_gpus.items():
+                G.lb, G.ub = 0, self.cluster.gpus[g].count + 1
+            if not m.num_solutions:
+                return known, INF, None
         if st == mip.OptimizationStatus.INFEASIBLE:
             return INF, INF, None
         lo = _whole(float(m.objective_bound)) if m.objective_bound is not None else 0.0
@@ -273,6 +289,7 @@ class _State:
         UB = np.full((M, g.size), INF)
         SRC = np.full((M, g.size), -1, dtype=np.int64)
         fluid_done = np.zeros((M, g.size), dtype=np.bool_)
+        fluid_pools: dict[tuple[int, int], tuple[float, dict]] = {}  # its bound and whole pools
         exact_done = np.zeros((M, g.size), dtype=np.bool_)
         demands = [self.weights[m] * z for m in self.models]
         for i, m in enumerate(self.models):
@@ -302,10 +319,21 @@ class _State:
                 left = self.deadline - time.perf_counter()
                 caps = g.caps(p)
                 if exact:
-                    lo, val, picks = self.oracles[m].solve(caps, demands[i], min(_ORACLE_S, left))
+                    lo, val, picks = INF, INF, None
+                    if (i, p) in fluid_pools and LB[i, p] == fluid_pools[(i, p)][0]:
+                        # where the fractional bound binds, whole vGPUs usually fill its pools
+                        # (CBC took 30 s to find such a plan on its own, 0.1 s this way)
+                        lo, val, picks = self.oracles[m].solve(caps, demands[i], min(_FIXED_S, left), LB[i, p],
+                                                               fluid_pools[(i, p)][1])
+                    if picks is None:
+                        lo, val, picks = self.oracles[m].solve(caps, demands[i], min(_ORACLE_S, left), LB[i, p])
                 else:
-                    lo = _whole(min_capped(self.pools[m], self.last, dict(zip(self.others, caps, strict=True)),
-                                           demands[i]))
+                    mp = self.pools[m]
+                    lo, G = min_capped(mp, self.last, dict(zip(self.others, caps, strict=True)), demands[i])
+                    lo = _whole(lo)
+                    last = sum(n for (_, t), n in zip(mp.pools, G, strict=True) if t == self.last)
+                    if math.isfinite(lo) and abs(last - lo) < 1e-9:
+                        fluid_pools[(i, p)] = (lo, {key: int(round(n)) for key, n in zip(mp.pools, G, strict=True)})
                     val, picks = INF, None
                     self.fluid_solves += 1
                 (exact_done if exact else fluid_done)[i, p] = True

@@ -101,22 +101,23 @@ def no_caps(pools: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def min_capped(mp: ModelPools, priced: str, caps: Mapping[str, float], demand: float,
-               node_cap: int | None = None) -> float:
+               node_cap: int | None = None) -> tuple[float, np.ndarray]:
     """A lower bound on the fewest whole GPUs of type ``priced`` in the pools serving ``demand``
     requests/s (vGPU counts continuous) when the pools of each type ``g`` in ``caps`` hold at
-    most ``caps[g]`` GPUs together (exact unless the node cap was hit); inf when none serve it."""
+    most ``caps[g]`` GPUs together (exact unless the node cap was hit), inf when none serve it;
+    and the best pool counts found."""
     if demand <= 0:
-        return 0.0
+        return 0.0, np.zeros(len(mp.pools))
     if len(mp.use) == 0:
-        return math.inf
+        return math.inf, np.zeros(len(mp.pools))
     names = list(caps)
     pi = np.array([1.0 if g == priced else 0.0 for _, g in mp.pools])
     cap_of = np.array([names.index(g) if g in caps else -1 for _, g in mp.pools], dtype=np.int64)
     if node_cap is None:
         node_cap = max(200, WORK_CAP // max(1, len(mp.use)))
-    lower, _, _ = _branch_and_bound(mp.use * demand, pi, mp.count, node_cap, cap_of,
+    lower, G, _ = _branch_and_bound(mp.use * demand, pi, mp.count, node_cap, cap_of,
                                     np.array([float(caps[g]) for g in names]), True)
-    return lower
+    return lower, G
 
 
 def lagrangian_bound(pools: dict[str, ModelPools], weights: Mapping[str, float], cluster: Cluster,

@@ -482,7 +482,7 @@ class _Search:
         the optimum first ends both: the search proves in seconds what CBC takes minutes for
         on some inputs, and CBC what the search cannot on others (its per-model MILPs can be
         hard)."""
-        threads = max(1, self.threads - 1) if decompose else self.threads
+        threads = self.threads
         end = time.perf_counter() + seconds
         configs, weights, cluster, rel_gap, share = self.configs, self.weights, self.cluster, self.rel_gap, self.share_gpus
         bound, best = self.bound, self.best
