@@ -53,7 +53,7 @@ def test_the_capped_oracle_matches_brute_force(inst, caps, share):
     mp = lagrange.model_pools(name, cs, cluster)
     demand = share * lagrange.fluid_throughput(mp.use, mp.count)
     last, others = TYPES[2], dict(zip(TYPES[:2], caps, strict=True))
-    got = lagrange.min_capped(mp, last, others, demand)
+    got, _ = lagrange.min_capped(mp, last, others, demand)
     want = math.inf
     for G in itertools.product(*(range(int(c) + 1) for c in mp.count)):
         per_type = {g: 0 for g in TYPES}
