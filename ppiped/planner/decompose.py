@@ -22,7 +22,10 @@ the whole problem's MILP may take minutes to prove the same: it does not know th
 independent). A dozen to a few hundred small MILPs per ``z`` on the scale bench's clusters.
 
 Why not only the MILP: CBC's bound on the full problem moves slowly with three and more binding
-GPU types (gaps of 0.2-2 % after 10 s, optimal only after 30-90 s).
+GPU types (gaps of 0.2-2 % after 10 s, optimal only after 30-90 s). Why beside it, not instead:
+some models' own MILPs are hard for CBC too (convnext: 5-30 s for one point), and there CBC on
+the whole problem gets there first. Up to three GPU types: with four, the points a test needs
+grow by an order of magnitude and the search only took CBC's cores.
 """
 
 from __future__ import annotations
@@ -43,8 +46,12 @@ from .lagrange import min_capped, min_cost, model_pools
 INF = math.inf
 # Relative prices of the other types (the last at 1) whose Lagrangian costs seed the tables.
 _PRICES = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
-# Grids larger than this (points per model), or more models, are left to the full MILP.
-MAX_POINTS = 60_000
+# Grids larger than this (points per model), more types or more models are left to the full MILP.
+# Four GPU types (three others, 26^3 points on the scale bench) took hundreds of per-model
+# MILPs a test: beside CBC the search cost more proofs than it gave (3 of 12 at 20 s against
+# 4-6 without it), so it stops at three.
+MAX_POINTS = 20_000
+MAX_OTHER_TYPES = 2
 MAX_MODELS = 8
 # Seconds one per-model MILP may take before the search gives up on the point.
 _ORACLE_S = 5.0
@@ -174,20 +181,33 @@ class _Oracle:
         return min(lo, val), val, picks
 
 
+def _shape(configs: dict[str, list[PipelineConfig]], cluster: Cluster) -> tuple[str, list[str], _Grid] | None:
+    """The last type, the others and their grid; None where the search does not apply."""
+    types = [g for g in cluster.gpus if cluster.gpus[g].count > 0
+             and any(s.gpu == g for cs in configs.values() for c in cs for s in c.segments)]
+    if not types or len(configs) > MAX_MODELS or len(types) - 1 > MAX_OTHER_TYPES:
+        return None
+    last = max(types, key=lambda g: cluster.gpus[g].count)
+    others = [g for g in types if g != last]
+    if math.prod(cluster.gpus[g].count + 1 for g in others) > MAX_POINTS:
+        return None
+    return last, others, _Grid([cluster.gpus[g].count for g in others])
+
+
+def applies(configs: dict[str, list[PipelineConfig]], cluster: Cluster) -> bool:
+    """Whether :func:`decompose_search` searches these inputs (or answers None at once)."""
+    return _shape(configs, cluster) is not None
+
+
 def decompose_search(configs: dict[str, list[PipelineConfig]], weights: dict[str, float], cluster: Cluster,
                      z_lo: float, z_hi: float, deadline: float, rel_gap: float) -> DecomposeResult | None:
     """Search (z_lo, z_hi] for the optimum (module docstring) until ``deadline``; None when the
     grid is too large for it. ``z_lo`` is an incumbent's objective, ``z_hi`` a valid bound."""
-    types = [g for g in cluster.gpus if cluster.gpus[g].count > 0
-             and any(s.gpu == g for cs in configs.values() for c in cs for s in c.segments)]
+    shape = _shape(configs, cluster)
+    if shape is None:
+        return None
+    last, others, grid = shape
     models = list(configs)
-    if not types or len(models) > MAX_MODELS:
-        return None
-    last = max(types, key=lambda g: cluster.gpus[g].count)
-    others = [g for g in types if g != last]
-    grid = _Grid([cluster.gpus[g].count for g in others])
-    if grid.size > MAX_POINTS:
-        return None
     S = _State(configs, weights, cluster, models, others, last, grid, deadline)
     best: list = []
     best_z = -1.0

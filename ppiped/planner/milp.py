@@ -38,6 +38,7 @@ from ..cluster import Cluster
 from ..plan import gpus_used
 from .bounds import fluid_bound, knapsack_bound, model_instances
 from .configs import PipelineConfig
+from .decompose import applies as decompose_applies
 from .lagrange import lagrangian_bound, model_pools
 
 log = logging.getLogger(__name__)
@@ -501,7 +502,7 @@ class _Search:
             yield "full", _cbc_job(configs, weights, cluster, None, left, threads, rel_gap, start, share)()
 
         jobs = [(cbc_runs, seconds + KILL_GRACE_S)]
-        if decompose:
+        if decompose and decompose_applies(configs, cluster):
             jobs.append((self._decompose_job(end), seconds + KILL_GRACE_S))
         size = [(0, 0, 0)]
         names = ["full_capped" if capped_s > 0 else "full"]  # the run under way
