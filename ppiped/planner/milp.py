@@ -147,7 +147,7 @@ def in_child(fn: Callable[[], Any], limit_s: float) -> tuple[Any, str]:
     """
     out: list[tuple[Any, str]] = []
     race([(fn, limit_s)], lambda _i, answer, how: out.append((answer, how)) or False)
-    return next((o for o in out if o[1] == "ok"), out[-1])
+    return next((o for o in out if o[1] == "ok"), out[-1] if out else (None, "crashed"))
 
 
 def race(jobs: Sequence[tuple[Callable[[], Any], float]],
