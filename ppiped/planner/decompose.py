@@ -250,21 +250,20 @@ def _whole(x: float) -> float:
     return float(math.ceil(x - 1e-6)) if math.isfinite(x) else x
 
 
+def _allocs(picks):
+    from .milp import Allocation  # milp imports this module
+
+    return [Allocation(c, counts) for c, counts in picks]
+
+
 def _served(picks) -> float:
-    return sum(_rate(c, counts) for c, counts in picks)
-
-
-def _rate(c: PipelineConfig, counts: tuple[int, ...]) -> float:
-    if c.tied:
-        return counts[0] * min(s.rps_per_vgpu for s in c.segments)
-    return min(n * s.rps_per_vgpu for n, s in zip(counts, c.segments, strict=True))
+    return sum(a.throughput_rps for a in _allocs(picks))
 
 
 def _objective(picks, weights) -> float:
-    tot: dict[str, float] = defaultdict(float)
-    for c, counts in picks:
-        tot[c.model] += _rate(c, counts)
-    return min(tot.get(mm, 0.0) / w for mm, w in weights.items())
+    from .milp import _objective
+
+    return _objective(_allocs(picks), weights)
 
 
 class _State:
@@ -274,7 +273,6 @@ class _State:
         self.configs, self.weights, self.cluster = configs, weights, cluster
         self.models, self.others, self.last, self.grid = models, others, last, grid
         self.deadline = deadline
-        self.budget = np.array([cluster.gpus[g].count for g in others], dtype=np.int64)
         self.b_last = cluster.gpus[last].count
         self.oracles = {m: _Oracle(m, configs[m], cluster, others, last) for m in models}
         self.pools = {m: model_pools(m, configs[m], cluster) for m in models}
@@ -365,11 +363,13 @@ class _State:
                 if lo > LB[i, p]:
                     _lift_lower(LB[i], g.dims, g.strides, p, lo)
                     lower.changed(i)
-                self.seen[m].append((demands[i], p, lo, INF, None, 0.0))
+                if lo > 0:
+                    self.seen[m].append((demands[i], p, lo, INF, None, 0.0))
                 if exact and picks is not None and _served(picks) < demands[i] * (1 - 1e-12):
                     # within CBC's tolerance of the demand but short of it: a plan must serve
                     # it, so the solution comes from a demand a hair higher (its bound holds there)
                     d_up = demands[i] * (1 + 1e-5)
+                    left = self.deadline - time.perf_counter()
                     lo_up, val, picks = self.oracles[m].solve(caps, d_up, min(_ORACLE_S, left))
                     self.seen[m].append((d_up, p, lo_up, INF, None, 0.0))
                 if exact and picks is not None and (served := _served(picks)) >= demands[i] * (1 - 1e-12):

@@ -90,9 +90,12 @@ def min_cost(mp: ModelPools, prices: Mapping[str, float], demand: float,
         return 0.0, np.zeros(len(mp.pools)), 0
     if len(mp.use) == 0:
         return math.inf, np.zeros(len(mp.pools)), 0
-    if node_cap is None:
-        node_cap = max(200, WORK_CAP // max(1, len(mp.use)))
-    return _branch_and_bound(mp.use * demand, pi, mp.count, node_cap, *no_caps(len(mp.pools)), False)
+    return _branch_and_bound(mp.use * demand, pi, mp.count, _node_cap(mp, node_cap), *no_caps(len(mp.pools)),
+                             False)
+
+
+def _node_cap(mp: ModelPools, node_cap: int | None) -> int:
+    return node_cap if node_cap is not None else max(200, WORK_CAP // max(1, len(mp.use)))
 
 
 def no_caps(pools: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,9 +116,7 @@ def min_capped(mp: ModelPools, priced: str, caps: Mapping[str, float], demand: f
     names = list(caps)
     pi = np.array([1.0 if g == priced else 0.0 for _, g in mp.pools])
     cap_of = np.array([names.index(g) if g in caps else -1 for _, g in mp.pools], dtype=np.int64)
-    if node_cap is None:
-        node_cap = max(200, WORK_CAP // max(1, len(mp.use)))
-    lower, G, _ = _branch_and_bound(mp.use * demand, pi, mp.count, node_cap, cap_of,
+    lower, G, _ = _branch_and_bound(mp.use * demand, pi, mp.count, _node_cap(mp, node_cap), cap_of,
                                     np.array([float(caps[g]) for g in names]), True)
     return lower, G
 

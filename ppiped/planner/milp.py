@@ -39,6 +39,7 @@ from ..plan import gpus_used
 from .bounds import fluid_bound, knapsack_bound, model_instances
 from .configs import PipelineConfig
 from .decompose import applies as decompose_applies
+from .decompose import decompose_search
 from .lagrange import lagrangian_bound, model_pools
 
 log = logging.getLogger(__name__)
@@ -156,8 +157,8 @@ def race(jobs: Sequence[tuple[Callable[[], Any], float]],
     :func:`in_child`). ``settle(index, answer, "ok")`` is called for each answer as it arrives
     (a job that returns a generator sends one per item), and once more with None and "killed"
     (its limit passed), "crashed" or "stopped" (one that had sent nothing) for a child that did
-    not finish cleanly. When ``settle`` returns True the children still running are stopped. How two searches share the
-    cores: the first to settle the question ends both."""
+    not finish cleanly. When ``settle`` returns True the children still running are stopped.
+    How two searches share the cores: the first to settle the question ends both."""
     with contextlib.suppress(AttributeError, OSError, ValueError):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -453,8 +454,6 @@ class _Search:
     def _decompose_job(self, until: float) -> Callable[[], Any]:
         """The exact search over per-model type vectors (:mod:`.decompose`) until ``until``, as
         a child's job: picks as indices, objective, bound, stats (None: not applicable)."""
-        from .decompose import decompose_search
-
         def run():
             r = decompose_search(self.configs, self.weights, self.cluster, max(0.0, self.best_z),
                                  self.bound, until, self.rel_gap)
