@@ -629,6 +629,32 @@ def test_pard_books_the_burst_room_within_the_planned_rate_and_the_learned_one_a
     assert room == pytest.approx(200.0 if factor > 1.15 else 50.0)
 
 
+@pytest.mark.parametrize("policy", ["ppipe", "pard"])
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_high_margins_only_under_pressure_while_overloaded(policy, factor):
+    """After a drop, a batch is booked at the vGPU's high-quantile margin only while arrivals run
+    over 1.15 x the planned rate; at the planned rate the low margin stays (the high one there
+    made each drop lengthen the paths and cause more drops: Figure 6 under noise)."""
+    plan, profs = _one_pool_case(nv=1, bs=1, slo=1000.0)
+    s = Scheduler(plan, profs, policy, margin_step=0.0, margin_prior=1.0)
+    gap = 100.0 / factor
+    t = 0.0
+    for i in range(int(250 * factor)):
+        t = i * gap
+        s.submit(i, 0, t, t + 1000.0)
+        s.decide(t)
+    s.submit(10**6, 0, t, t)  # cannot be served: a drop, so the model is under pressure
+    assert s.decide(t).drops()
+    t2 = t + 10_000.0  # the tables are empty again, the pressure (one SLO) is not over yet
+    s._arena.view("q_hbf")[0] = t2 + 500.0
+    s._arena.view("v_margin")[:] = 1.1  # (set after the drop, which relaxes silent vGPUs' margins)
+    s._arena.view("v_margin_hi")[:] = 1.6
+    s.submit(10**6 + 1, 0, t2, t2 + 1000.0)
+    (d,) = s.decide(t2).dispatches()
+    booked = d.finish_us - t2  # one hop of 100 µs at bs 1, booked at the margin in use
+    assert booked == pytest.approx(100.0 * (1.6 if factor > 1.15 else 1.1))
+
+
 def _estimate_without_room(s, t):
     saved = s._arena.view("q_hbf").copy()
     s._arena.view("q_hbf")[:] = -np.inf

@@ -63,9 +63,12 @@ class_room=0.25, pressure_room=0.2, noise_z=0.0, room_quantile=0.995, work_conse
   with ``work_conserving``, the reservations queued right behind it on that vGPU move forward by
   as much; ``end <= start``: it did not run and the interval goes) and teaches the vGPU's
   margins: two quantiles (``margin_quantile``, ``margin_quantile_hi``) of measured / profiled
-  latency. Inferences are reserved for profile x margin: the low quantile while the model is
-  quiet, the high one while it is under pressure (it dropped within one SLO: back-to-back
-  bookings then cascade every overrun). (The median as the low quantile gained half a point of
+  latency. Inferences are reserved for profile x margin: the low quantile, or the high one
+  while the model is under pressure (it dropped within one SLO) and overloaded (arrivals over
+  1.15 x its planned rate in its last or current count window): back-to-back bookings then
+  cascade every overrun. (In every spell of pressure, as before session 24, the high margins
+  cost Figure 6 0.4 points at σ = 0.05 and 1.5 at σ = 0.1: near capacity each drop made the
+  paths longer and so caused more drops.) (The median as the low quantile gained half a point of
   Figure 6 at σ = 0.05 and lost overload: ppipe at load 1.3 went from 7 % to 21 % late, pard's
   late share doubled, as bookings made before pressure cascade once it comes.)
   Optionally (``noise_z`` > 0) deadline checks keep that many standard deviations of the path's
@@ -122,9 +125,8 @@ Policies (``POLICIES``; a :class:`Policy` is knobs of the one algorithm, not a c
   it books against the deadline less the model's *room*: the ``room_quantile`` quantile of
   how much later than booked its paths' last hops end, learned from reports within
   [0, ``pressure_room`` x SLO] (starting at half of it), and takes the vGPUs' high-quantile
-  margins, but only while the model is *overloaded* (arrivals over 1.15 x its planned rate in
-  its last or current count window); in bursts within the planned rate it keeps the low
-  margins and a second room learned at the 0.95 quantile.
+  margins while the model is *overloaded* (as every policy does); in bursts within the planned
+  rate it keeps the low margins and a second room learned at the 0.95 quantile.
 
 Speed: a decision is one compiled call; its Python wrapper returns preallocated arrays. The
 simulator may call the ``ppiped.kernels.sched`` entry points directly from compiled code

@@ -429,10 +429,8 @@ class RefScheduler:
         return rate * self.pgap[m] > S.OVERLOAD_RATE
 
     def _hot(self, m: int, now: float) -> bool:
-        """High-quantile margins: under pressure; for a PARD model only while also overloaded."""
-        if not self.hbf_until[m] > now:
-            return False
-        return not self.pard[m] or self._overloaded(m, now)
+        """High-quantile margins: under pressure while also overloaded (every policy)."""
+        return self.hbf_until[m] > now and self._overloaded(m, now)
 
     def _room(self, m: int, now: float) -> float:
         return self.proom[m] if self._overloaded(m, now) else self.proom_b[m]

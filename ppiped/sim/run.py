@@ -67,7 +67,7 @@ class SimOptions:
     pressure_room: float = 0.2  # PARD: most of the SLO left unbooked under pressure (learned below it)
     room_quantile: float = 0.995  # PARD: quantile of how late paths end that the learned room covers
     noise_z: float = 0.0  # deadline checks keep this many sds of the path's latency noise
-    margin_quantile_hi: float = 0.99  # the margins' quantile while a model is under pressure
+    margin_quantile_hi: float = 0.99  # the margins' quantile while a model is under pressure and overloaded
 
 
 class Simulation:
