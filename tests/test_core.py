@@ -645,7 +645,7 @@ def test_high_margins_only_under_pressure_while_overloaded(policy, factor):
         s.decide(t)
     s.submit(10**6, 0, t, t)  # cannot be served: a drop, so the model is under pressure
     assert s.decide(t).drops()
-    t2 = t + 10_000.0  # the tables are empty again, the pressure (one SLO) is not over yet
+    t2 = t + 10_000.0  # the tables have emptied by then; the pressure is held on past t2
     s._arena.view("q_hbf")[0] = t2 + 500.0
     s._arena.view("v_margin")[:] = 1.1  # (set after the drop, which relaxes silent vGPUs' margins)
     s._arena.view("v_margin_hi")[:] = 1.6
