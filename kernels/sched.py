@@ -854,8 +854,11 @@ def _ppipe_queue(A, F, m, now):
     stays full and every request that even it cannot serve in time is dropped
     now (proactively, on the whole path's estimate: the probe) instead of shrinking the batch,
     which would cut throughput exactly when it is short; for the hold time after such a drop,
-    batches take the requests with the most budget left (high-budget-first), so that what is
-    served under overload has room for noise. Otherwise PPipe's low-budget-first (earliest
+    while the model is overloaded (``_overloaded``), batches take the requests with the most
+    budget left (high-budget-first), so that what is served under overload has room for noise
+    (in bursts within the planned rate the earliest deadlines first served more in time: Gamma
+    cv 2, 0.9114 against 0.9111 of capacity, and 0.9121 with the burst room at 0.93 too).
+    Otherwise PPipe's low-budget-first (earliest
     deadline) order and batch shrinking apply: at low load nothing is dropped that a smaller
     batch could serve.
     """
@@ -1038,7 +1041,7 @@ def _ppipe_queue(A, F, m, now):
             # else (rare: the greedy path at the smaller size ends later): dispatch the n
             # requests now on the larger size's reservations, which do meet the deadline
         # 3c. reserve and dispatch
-        status = _commit_ppipe(A, F, m, best_p, take, buf, fin, now, pard and F[o_hbf + m] > now)
+        status = _commit_ppipe(A, F, m, best_p, take, buf, fin, now, pard and F[o_hbf + m] > now and _overloaded(A, F, m, now))
         if status != OK:
             return status
 

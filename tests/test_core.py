@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from ppiped.kernels import state as S
 
 from ppiped.cluster import Cluster, GpuType
 from ppiped.core import Layout, Scheduler
@@ -585,6 +586,8 @@ def test_the_room_learns_how_late_paths_end(q):
     plan, profs = _one_pool_case(nv=1, bs=1, slo=1000.0, parts=2)
     s = Scheduler(plan, profs, "pard", **({} if q is None else {"room_quantile": q}))
     q = 0.995 if q is None else q
+    qb = S.ROOM_Q_BURST
+    assert 0.5 < qb < q
     room = s._arena.view("m_room")
     burst = s._arena.view("m_room_b")
     assert room[0] == pytest.approx(100.0)  # half the most (0.2 SLO) to start with
@@ -601,10 +604,10 @@ def test_the_room_learns_how_late_paths_end(q):
         s.report(last.handle, last.start_us, last.end_us + late)
         if late:  # ended later than booked by more than the room
             assert room[0] == pytest.approx(before + 10.0 * q)
-            assert burst[0] == pytest.approx(before_b + 10.0 * 0.95)  # the burst room: at 0.95
+            assert burst[0] == pytest.approx(before_b + 10.0 * qb)  # the burst room: a lower quantile
         else:
             assert room[0] == pytest.approx(before - 10.0 * (1 - q))
-            assert burst[0] == pytest.approx(before_b - 10.0 * 0.05)
+            assert burst[0] == pytest.approx(before_b - 10.0 * (1 - qb))
 
 
 @pytest.mark.parametrize("factor", [1.0, 2.0])
@@ -653,6 +656,31 @@ def test_high_margins_only_under_pressure_while_overloaded(policy, factor):
     (d,) = s.decide(t2).dispatches()
     booked = d.finish_us - t2  # one hop of 100 µs at bs 1, booked at the margin in use
     assert booked == pytest.approx(100.0 * (1.6 if factor > 1.15 else 1.1))
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_pard_takes_the_most_budget_first_only_while_overloaded(factor):
+    """After a drop PARD's batches take the requests with the most budget left only while the
+    arrivals run over 1.15 x the planned rate; in a burst within the planned rate they keep the
+    earliest deadline first (PARD's LBF), which served more in time (Gamma cv 1.5 and 2)."""
+    plan, profs = _one_pool_case(nv=1, bs=1, slo=1000.0)
+    s = Scheduler(plan, profs, "pard", margin_step=0.0, margin_prior=1.0)
+    gap = 100.0 / factor
+    t = 0.0
+    for i in range(int(250 * factor)):
+        t = i * gap
+        s.submit(i, 0, t, t + 1000.0)
+        s.decide(t)
+    s.submit(10**6, 0, t, t)  # cannot be served: a drop, so the model is under pressure
+    assert s.decide(t).drops()
+    t2 = t + 10_000.0
+    s._arena.view("q_hbf")[0] = t2 + 500.0
+    s._arena.view("m_room")[:] = 0.0
+    s._arena.view("m_room_b")[:] = 0.0
+    s.submit(10**6 + 1, 0, t2, t2 + 1000.0)
+    s.submit(10**6 + 2, 0, t2, t2 + 900.0)
+    first = min(s.decide(t2).dispatches(), key=lambda d: d.finish_us)
+    assert first.request_ids == ((10**6 + 1,) if factor > 1.15 else (10**6 + 2,))
 
 
 def _estimate_without_room(s, t):

@@ -120,13 +120,16 @@ Policies (``POLICIES``; a :class:`Policy` is knobs of the one algorithm, not a c
   and the queue holds more than one batch (or, while the model is under pressure, i.e. dropped
   within its SLO: one batch, or fewer with arrivals faster than planned), the batch stays full
   and every request it cannot serve in time is dropped now (``early-drop``) on the probe's
-  whole-path estimate; for one SLO after such a drop, batches take the latest deadlines first
-  (high-budget-first, the DEPQ's max end), then earliest-deadline order returns. Under pressure
+  whole-path estimate; for one SLO after such a drop, while the model is also *overloaded*
+  (below), batches take the latest deadlines first (high-budget-first, the DEPQ's max end),
+  then earliest-deadline order returns; in bursts within the planned rate they keep the
+  earliest deadlines first. Under pressure
   it books against the deadline less the model's *room*: the ``room_quantile`` quantile of
   how much later than booked its paths' last hops end, learned from reports within
   [0, ``pressure_room`` x SLO] (starting at half of it), and takes the vGPUs' high-quantile
   margins while the model is *overloaded* (as every policy does); in bursts within the planned
-  rate it keeps the low margins and a second room learned at the 0.95 quantile.
+  rate it keeps the low margins and a second room learned at a lower quantile (0.93,
+  ``state.ROOM_Q_BURST``).
 
 Speed: a decision is one compiled call; its Python wrapper returns preallocated arrays. The
 simulator may call the ``ppiped.kernels.sched`` entry points directly from compiled code

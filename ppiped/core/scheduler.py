@@ -26,7 +26,8 @@ class Policy:
     deadline first) is a fixed choice.
     ``pard``: PARD's proactive dropping on the whole path's estimate when a full batch cannot
     meet the oldest deadline under load, and high-budget-first (the DEPQ's max end) for the
-    model's SLO after each such drop (delayed transition back to earliest-deadline-first); not
+    model's SLO after each such drop while its arrivals run over the planned rate (delayed
+    transition back to earliest-deadline-first; in bursts within the plan, EDF throughout); not
     at an app's later stages (``Scheduler(pard_exempt=...)``, by default every stage with a
     parent), whose requests' queries already spent GPU time upstream.
     """
