@@ -12,6 +12,7 @@ from conftest import MODELS_DIR, reference_plans
 from ppiped.cli import main
 from ppiped.cluster import Cluster, GpuType
 from ppiped.commands.sim import _finite
+from ppiped.core import Layout
 from ppiped.plan import ModelPlan, Partition, Pipeline, Plan, PlanParams
 from ppiped.profiles import Profile
 from ppiped.sim import engine as E
@@ -40,9 +41,9 @@ def trace(times: list[float]) -> Trace:
     return Trace(np.array(times, dtype=np.float64), np.zeros(len(times), dtype=np.int32))
 
 
-def run(plan, profs, times, policy="ppipe", sigma=0.0, duration_s=0.001, **kw):
+def run(plan, profs, times, policy="ppipe", sigma=0.0, duration_s=0.001, layout=None, **kw):
     opt = SimOptions(sigma=sigma, **kw)
-    sim = Simulation(plan, profs, trace(times), policy, 0, duration_s, opt)
+    sim = Simulation(plan, profs, trace(times), policy, 0, duration_s, opt, layout=layout)
     res = sim.run()
     return res, sim
 
@@ -263,11 +264,14 @@ def test_cli_sweep_and_attainment_png(v4_plan, tmp_path, capsys):
 def test_transfers_queue_on_a_shared_nic():
     """Reactive, two requests at once: both finish stage 0 at 50 µs on two vGPUs of one server,
     and both feature maps leave over that server's uplink: 50-60 and 60-70 with the NIC model,
-    both 50-60 without it."""
+    both 50-60 without it. (The plain placement: spread for its NIC load, each server would
+    hold one vGPU of each stage.)"""
     plan, profs = tiny(nv=2, parts=2, per_server=2)
-    _, fifo = run(plan, profs, [0.0, 0.0], "reactive")
+    lay = Layout.from_plan(plan, profs, balance=False)
+    assert list(lay.v_server) == [0, 0, 1, 1]
+    _, fifo = run(plan, profs, [0.0, 0.0], "reactive", layout=lay)
     assert sorted(latencies(fifo)) == [110.0, 120.0]
-    _, free = run(plan, profs, [0.0, 0.0], "reactive", nic_fifo=False)
+    _, free = run(plan, profs, [0.0, 0.0], "reactive", nic_fifo=False, layout=lay)
     assert latencies(free) == [110.0, 110.0]
 
 

@@ -6,7 +6,9 @@ decides that deterministically, following the plan's GPU budget rule: each round
 model's partition index on a type; a partition index on a type across models for plans that
 share GPUs) is placed on whole GPUs of its own by :func:`ppiped.packing.pack`, the count the
 checker uses, so its pipelines may share a physical GPU when their counts are fractional, and the
-groups take consecutive GPUs of the type. GPU ``g`` of a type sits in server ``g // per_server``.
+groups take consecutive GPUs of the type; then whole GPUs swap servers within their type so that
+few transfers wait on a NIC past their model's slack (:mod:`.placement`; ``balance=False``: no
+swaps). GPU slot ``g`` of a type sits in server ``g // per_server``.
 
 Ids are dense integers: pipelines in plan order (model by model), pools pipeline by pipeline and
 stage by stage, vGPUs pool by pool. Resources are the vGPUs ``0..V-1``, then per server ``s`` its
@@ -23,6 +25,7 @@ import numpy as np
 from ..packing import pack
 from ..plan import Plan, PlanError
 from ..profiles import Profile
+from .placement import balance_servers, link_loads
 
 
 class LayoutError(PlanError):
@@ -132,7 +135,7 @@ class Layout:
         return range(int(self.model_pipe0[model]), int(self.model_pipe0[model + 1]))
 
     @classmethod
-    def from_plan(cls, plan: Plan, profiles: dict[str, Profile]) -> Layout:
+    def from_plan(cls, plan: Plan, profiles: dict[str, Profile], balance: bool = True) -> Layout:
         cl = plan.cluster
         gpu_types = list(cl.gpus)
         tindex = {g: i for i, g in enumerate(gpu_types)}
@@ -194,6 +197,13 @@ class Layout:
                 rule = "per (partition index, type)" if share else "per (model, partition index, type)"
                 raise LayoutError(f"{plan.source}: the plan's {g} vGPUs need {next_gpu[g]} whole GPUs, "
                                   f"placed {rule}; the cluster has {cl.gpus[g].count}")
+        if balance:
+            # then swap whole GPUs between a type's servers, so that few transfers wait on a
+            # NIC past their model's slack (ppiped.core.placement)
+            up, down, slack = link_loads(plan, profiles, v_gpu_of_pool, len(gpu_type))
+            ranges = [(gpu_off[g], gpu_off[g] + cl.gpus[g].count) for g in gpu_types]
+            pos = balance_servers(up, down, slack, np.asarray(gpu_server, dtype=np.int64), ranges)
+            v_gpu_of_pool = [[int(pos[x]) for x in gs] for gs in v_gpu_of_pool]
         # vGPU arrays, pool by pool
         pool_v0 = [0]
         cols: dict[str, list[int]] = {k: [] for k in ("pool", "model", "pipe", "stage", "type", "split", "gpu")}
