@@ -83,6 +83,16 @@ def _server_cost(agg_up, agg_down, s, slack):
 
 
 @numba.njit(cache=True)
+def _pairs(agg_up, agg_down, s, M):
+    """Pairs of different models whose transfers share server ``s``'s NIC."""
+    n = 0
+    for m in range(M):
+        if agg_up[s, 2 + m] > 0.0 or agg_down[s, 2 + m] > 0.0:
+            n += 1
+    return n * (n - 1) // 2
+
+
+@numba.njit(cache=True)
 def _swaps(up, down, kind, slack, srv, ranges, max_evals):
     G = srv.shape[0]
     pos = np.arange(G)
@@ -94,6 +104,7 @@ def _swaps(up, down, kind, slack, srv, ranges, max_evals):
         agg_up[srv[g]] += up[g]
         agg_down[srv[g]] += down[g]
     evals = 0
+    M = up.shape[1] - 2
     for t in range(ranges.shape[0]):
         lo, hi = ranges[t, 0], ranges[t, 1]
         for _ in range(MAX_PASSES):
@@ -107,6 +118,7 @@ def _swaps(up, down, kind, slack, srv, ranges, max_evals):
                         return pos
                     evals += 1
                     before = _server_cost(agg_up, agg_down, si, slack) + _server_cost(agg_up, agg_down, sj, slack)
+                    pairs = _pairs(agg_up, agg_down, si, M) + _pairs(agg_up, agg_down, sj, M)
                     for w in range(W):
                         du = up[j, w] - up[i, w]
                         dd = down[j, w] - down[i, w]
@@ -115,7 +127,8 @@ def _swaps(up, down, kind, slack, srv, ranges, max_evals):
                         agg_up[sj, w] -= du
                         agg_down[sj, w] -= dd
                     after = _server_cost(agg_up, agg_down, si, slack) + _server_cost(agg_up, agg_down, sj, slack)
-                    if after < before * (1.0 - 1e-9):
+                    if after < before * (1.0 - 1e-9) and (
+                            _pairs(agg_up, agg_down, si, M) + _pairs(agg_up, agg_down, sj, M) <= pairs):
                         pos[i], pos[j] = pos[j], pos[i]
                         swapped = True
                     else:
