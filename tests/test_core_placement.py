@@ -116,3 +116,30 @@ def test_balancing_permutes_within_a_type_and_never_adds_late_transfers(data):
 
     assert late(pos) <= late(np.arange(G)) * (1 + 1e-9) + 1e-15
     assert np.array_equal(balance_servers(up, down, slack, srv, ranges), pos)  # deterministic
+
+
+def test_no_swap_puts_two_models_on_a_nic_they_did_not_share():
+    """Two models' receivers on servers of their own, one model's links near saturation: moving
+    its GPUs beside the other's would cut the planned late transfers, but under overload the
+    busier model would then take the other's NIC time (PARD's overload bench lost repvgg's
+    goodput that way), so the placement keeps them apart."""
+    G = 12
+    up = np.zeros((G, 4))
+    down = np.zeros((G, 4))
+    for g in range(G):
+        m, lam, size = (0, 0.24e-3, 1000.0) if g < 8 else (1, 0.05e-3, 300.0)
+        down[g, 0], down[g, 1], down[g, 2 + m] = lam * size, lam * size * size, lam
+    slack = np.array([5000.0, 2000.0])
+    srv = np.arange(G) // 4
+    pos = balance_servers(up, down, slack, srv, [(0, G)])
+    assert np.array_equal(pos, np.arange(G))
+    mixed = np.arange(G)
+    mixed[[0, 8]] = mixed[[8, 0]]
+    mixed[[4, 9]] = mixed[[9, 4]]
+
+    def late(p):
+        agg = np.zeros((3, 4))
+        np.add.at(agg, srv[p], down)
+        return sum(_late_rate(a, slack) for a in agg)
+
+    assert late(mixed) < 0.5 * late(pos)  # what the rule gives up

@@ -20,8 +20,11 @@ Placement
 ``Layout.from_plan(plan, profiles)`` places every pool's vGPUs on physical GPUs and servers
 deterministically: per GPU type and partition index, vGPUs are packed first-fit on whole GPUs
 (larger vGPUs first; pools of one partition index may share a GPU when their counts are
-fractional), partition indices take consecutive GPUs, GPU ``g`` of a type is in server
-``g // per_server``. It also holds the latency tables ``lat[pool, b-1]`` (inference),
+fractional), partition indices take consecutive GPUs, GPU slot ``g`` of a type is in server
+``g // per_server``; then whole GPUs swap slots within their type while the planned share of
+transfers that wait on a NIC past their model's slack falls, never putting two models'
+transfers on a NIC they did not share (``placement.py``; ``from_plan(..., balance=False)``
+keeps the consecutive slots). It also holds the latency tables ``lat[pool, b-1]`` (inference),
 ``tin[pool, b-1]`` (NIC transfer of the pool's input, 0 for a first pool) and ``rem`` (sum of
 both to the end of the pipeline), µs, from the profiles. Same-server hops need no transfer and
 reserve no NIC; clients' inputs and results are not modelled on the NIC.
