@@ -14,6 +14,13 @@ tail P(W > t) ~ rho exp(-rho t / E[W]); a model's slack is its SLO less its slow
 path. Why not balance the load alone (tried in session 24: mixed, 0.959 / 0.925 on Figure 6 at
 sigma 0 / 0.05): short transfers wait behind long ones in proportion to the long ones' square,
 and a model with seconds of slack does not care what a 2 ms one does.
+
+A swap must also not raise the number of pairs of different models whose transfers share the
+two servers' NICs. Why: a model alone on its links is held to their capacity under overload.
+Without the rule the search spread colorization's saturated L4 downlinks over repvgg's servers
+(colorization + googlenet + repvgg 0.39, L4-T4), and at 1.3-2.0 x the planned load colorization
+took repvgg's NIC time: repvgg 0.91-0.92 x capacity under PARD, which holds every model at
+0.95 otherwise (Figure 6 with the rule: 0.962 / 0.932 at sigma 0 / 0.05, without: 0.964 / 0.934).
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ import numpy as np
 MAX_PASSES = 20
 # swaps tried at most, over all types
 MAX_EVALS = 2_000_000
+# a model uses a link whose summed rate of its transfers is above this (per µs; what sums and
+# differences of its GPUs' rates leave behind after it moved away is far below)
+PRESENT = 1e-12
 
 
 def link_loads(plan, profiles, pools_gpus: list[list[int]], num_gpus: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -87,13 +97,14 @@ def _pairs(agg_up, agg_down, s, M):
     """Pairs of different models whose transfers share server ``s``'s NIC."""
     n = 0
     for m in range(M):
-        if agg_up[s, 2 + m] > 0.0 or agg_down[s, 2 + m] > 0.0:
+        if agg_up[s, 2 + m] > PRESENT or agg_down[s, 2 + m] > PRESENT:
             n += 1
     return n * (n - 1) // 2
 
 
 @numba.njit(cache=True)
 def _swaps(up, down, kind, slack, srv, ranges, max_evals):
+    """The search of :func:`balance_servers`; each server's link rows are kept as sums."""
     G = srv.shape[0]
     pos = np.arange(G)
     S = srv.max() + 1
