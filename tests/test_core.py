@@ -610,23 +610,31 @@ def test_the_room_learns_how_late_paths_end(q):
             assert burst[0] == pytest.approx(before_b - 10.0 * (1 - qb))
 
 
+def _pressed_at_rate(policy: str, factor: float, rooms: tuple[float, float] | None = None):
+    """A 1-vGPU model fed ``factor`` x its planned rate for 25 ms (past the first 20-SLO count
+    window at the plan's rate; past half of it at twice the rate), then a request that cannot
+    be served: dropped, so the model is under pressure. Returns the scheduler and that time."""
+    plan, profs = _one_pool_case(nv=1, bs=1, slo=1000.0)
+    s = Scheduler(plan, profs, policy, margin_step=0.0, margin_prior=1.0)
+    if rooms is not None:
+        s._arena.view("m_room")[:] = rooms[0]
+        s._arena.view("m_room_b")[:] = rooms[1]
+    gap = 100.0 / factor  # the plan's rate is one request per 100 µs
+    t = 0.0
+    for i in range(int(250 * factor)):
+        t = i * gap
+        s.submit(i, 0, t, t + 1000.0)
+        s.decide(t)
+    s.submit(10**6, 0, t, t)
+    assert s.decide(t).drops()
+    return s, t
+
+
 @pytest.mark.parametrize("factor", [1.0, 2.0])
 def test_pard_books_the_burst_room_within_the_planned_rate_and_the_learned_one_above_it(factor):
     """Under pressure PARD books ahead by a room; while arrivals stay within the planned rate it
     is the burst room (a lower quantile), once they run over 1.15 x that rate the learned one."""
-    plan, profs = _one_pool_case(nv=1, bs=1, slo=1000.0)
-    s = Scheduler(plan, profs, "pard", margin_step=0.0, margin_prior=1.0)
-    s._arena.view("m_room")[:] = 200.0
-    s._arena.view("m_room_b")[:] = 50.0
-    gap = 100.0 / factor  # the plan's rate is one request per 100 µs
-    t = 0.0
-    for i in range(int(250 * factor)):  # 25 ms: past the first 20-SLO count window at the plan's
-        # rate; past half of it at twice the rate
-        t = i * gap
-        s.submit(i, 0, t, t + 1000.0)
-        s.decide(t)
-    s.submit(10**6, 0, t, t)  # cannot be served: a drop, so the model is under pressure
-    assert s.decide(t).drops()
+    s, t = _pressed_at_rate("pard", factor, rooms=(200.0, 50.0))
     # the estimate is the path's (behind the queue) plus the room
     room = s.stage_estimate_us(0, t) - _estimate_without_room(s, t)
     assert room == pytest.approx(200.0 if factor > 1.15 else 50.0)
@@ -638,16 +646,7 @@ def test_high_margins_only_under_pressure_while_overloaded(policy, factor):
     """After a drop, a batch is booked at the vGPU's high-quantile margin only while arrivals run
     over 1.15 x the planned rate; at the planned rate the low margin stays (the high one there
     made each drop lengthen the paths and cause more drops: Figure 6 under noise)."""
-    plan, profs = _one_pool_case(nv=1, bs=1, slo=1000.0)
-    s = Scheduler(plan, profs, policy, margin_step=0.0, margin_prior=1.0)
-    gap = 100.0 / factor
-    t = 0.0
-    for i in range(int(250 * factor)):
-        t = i * gap
-        s.submit(i, 0, t, t + 1000.0)
-        s.decide(t)
-    s.submit(10**6, 0, t, t)  # cannot be served: a drop, so the model is under pressure
-    assert s.decide(t).drops()
+    s, t = _pressed_at_rate(policy, factor)
     t2 = t + 10_000.0  # the tables have emptied by then; the pressure is held on past t2
     s._arena.view("q_hbf")[0] = t2 + 500.0
     s._arena.view("v_margin")[:] = 1.1  # (set after the drop, which relaxes silent vGPUs' margins)
@@ -663,16 +662,7 @@ def test_pard_takes_the_most_budget_first_only_while_overloaded(factor):
     """After a drop PARD's batches take the requests with the most budget left only while the
     arrivals run over 1.15 x the planned rate; in a burst within the planned rate they keep the
     earliest deadline first (PARD's LBF), which served more in time (Gamma cv 1.5 and 2)."""
-    plan, profs = _one_pool_case(nv=1, bs=1, slo=1000.0)
-    s = Scheduler(plan, profs, "pard", margin_step=0.0, margin_prior=1.0)
-    gap = 100.0 / factor
-    t = 0.0
-    for i in range(int(250 * factor)):
-        t = i * gap
-        s.submit(i, 0, t, t + 1000.0)
-        s.decide(t)
-    s.submit(10**6, 0, t, t)  # cannot be served: a drop, so the model is under pressure
-    assert s.decide(t).drops()
+    s, t = _pressed_at_rate("pard", factor)
     t2 = t + 10_000.0
     s._arena.view("q_hbf")[0] = t2 + 500.0
     s._arena.view("m_room")[:] = 0.0
