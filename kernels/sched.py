@@ -1041,7 +1041,7 @@ def _ppipe_queue(A, F, m, now):
             # else (rare: the greedy path at the smaller size ends later): dispatch the n
             # requests now on the larger size's reservations, which do meet the deadline
         # 3c. reserve and dispatch
-        status = _commit_ppipe(A, F, m, best_p, take, buf, fin, now, pard and F[o_hbf + m] > now and _overloaded(A, F, m, now))
+        status = _commit_ppipe(A, F, m, best_p, take, buf, fin, now, pard and _hot(A, F, m, now))
         if status != OK:
             return status
 

@@ -103,6 +103,19 @@ def _pairs(agg_up, agg_down, s, M):
 
 
 @numba.njit(cache=True)
+def _move(agg_up, agg_down, up, down, i, j, si, sj, sign):
+    """Server ``si`` trades GPU ``i``'s rows for GPU ``j``'s and ``sj`` the other way
+    (``sign`` -1: undo it)."""
+    for w in range(up.shape[1]):
+        du = sign * (up[j, w] - up[i, w])
+        dd = sign * (down[j, w] - down[i, w])
+        agg_up[si, w] += du
+        agg_down[si, w] += dd
+        agg_up[sj, w] -= du
+        agg_down[sj, w] -= dd
+
+
+@numba.njit(cache=True)
 def _swaps(up, down, kind, slack, srv, ranges, max_evals):
     """The search of :func:`balance_servers`; each server's link rows are kept as sums."""
     G = srv.shape[0]
@@ -130,26 +143,14 @@ def _swaps(up, down, kind, slack, srv, ranges, max_evals):
                     evals += 1
                     before = _server_cost(agg_up, agg_down, si, slack) + _server_cost(agg_up, agg_down, sj, slack)
                     pairs = _pairs(agg_up, agg_down, si, M) + _pairs(agg_up, agg_down, sj, M)
-                    for w in range(W):
-                        du = up[j, w] - up[i, w]
-                        dd = down[j, w] - down[i, w]
-                        agg_up[si, w] += du
-                        agg_down[si, w] += dd
-                        agg_up[sj, w] -= du
-                        agg_down[sj, w] -= dd
+                    _move(agg_up, agg_down, up, down, i, j, si, sj, 1.0)
                     after = _server_cost(agg_up, agg_down, si, slack) + _server_cost(agg_up, agg_down, sj, slack)
                     if after < before * (1.0 - 1e-9) and (
                             _pairs(agg_up, agg_down, si, M) + _pairs(agg_up, agg_down, sj, M) <= pairs):
                         pos[i], pos[j] = pos[j], pos[i]
                         swapped = True
                     else:
-                        for w in range(W):
-                            du = up[j, w] - up[i, w]
-                            dd = down[j, w] - down[i, w]
-                            agg_up[si, w] -= du
-                            agg_down[si, w] -= dd
-                            agg_up[sj, w] += du
-                            agg_down[sj, w] += dd
+                        _move(agg_up, agg_down, up, down, i, j, si, sj, -1.0)
             if not swapped:
                 break
     return pos
@@ -169,3 +170,17 @@ def balance_servers(up: np.ndarray, down: np.ndarray, slack: np.ndarray, gpu_ser
     return _swaps(np.ascontiguousarray(up, dtype=np.float64), np.ascontiguousarray(down, dtype=np.float64),
                   kind.reshape(-1).astype(np.int64), np.asarray(slack, dtype=np.float64),
                   np.asarray(gpu_server, dtype=np.int64), ranges, max_evals)
+
+
+def late_transfers(up: np.ndarray, down: np.ndarray, slack: np.ndarray, gpu_server: np.ndarray,
+                   pos: np.ndarray | None = None) -> float:
+    """The objective :func:`balance_servers` lowers, transfers per µs planned to wait past their
+    model's slack on every link, with GPU ``g`` in slot ``pos[g]`` (default: its own)."""
+    srv = np.asarray(gpu_server, dtype=np.int64)
+    where = srv if pos is None else srv[np.asarray(pos)]
+    total = 0.0
+    for rows in (up, down):
+        agg = np.zeros((int(srv.max()) + 1, rows.shape[1]))
+        np.add.at(agg, where, rows)
+        total += sum(_late_rate(a, slack) for a in agg)
+    return total

@@ -369,7 +369,7 @@ class RefScheduler:
                 self.recent[v][(h >> 20) % 16] = (h, prof, s + lat if v == hops[-1][0] else -INF)
                 d.reservations.append((v, 0, s, s + lat))
                 prev_s = sv
-            hbf = self.pard[m] and self.hbf_until[m] > now and self._overloaded(m, now)
+            hbf = self.pard[m] and self._hot(m, now)
             high = [r for r in q if r.prio > 0][:take]
             low = [r for r in q if r.prio <= 0]
             low = low[::-1] if hbf else low
