@@ -625,3 +625,46 @@ def test_a_batch_1_profile_and_a_batched_run_do_not_merge_and_say_why(tmp_path, 
     assert main([*base, "--gpu", "P4", "--batch-sizes", "1-2"]) == 2
     err = capsys.readouterr().err
     assert "profiled at batch size 1 only" in err and "different model" not in err, err
+
+
+def _float64_reshape_mlp() -> onnx.ModelProto:
+    """A float64 MLP behind torch's Shape -> Gather -> Concat -> Reshape flatten: the reshape's
+    target is known only by running the model on a float64 input."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(np.array([0], np.int64), "i0"),
+             numpy_helper.from_array(np.array([-1], np.int64), "m1")]
+    nodes = [helper.make_node("Shape", ["x"], ["sh"]),
+             helper.make_node("Gather", ["sh", "i0"], ["n"], axis=0),
+             helper.make_node("Concat", ["n", "m1"], ["tgt"], axis=0),
+             helper.make_node("Reshape", ["x", "tgt"], ["h0"])]
+    width = 48
+    for k in range(4):
+        inits.append(numpy_helper.from_array(rng.standard_normal((width, 32)) / 6, f"w{k}"))
+        nodes += [helper.make_node("MatMul", [f"h{k}", f"w{k}"], [f"a{k}"]),
+                  helper.make_node("Relu", [f"a{k}"], [f"h{k + 1}"])]
+        width = 32
+    g = helper.make_graph(nodes, "f64", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["N", 3, 4, 4])],
+                          [helper.make_tensor_value_info("h4", TensorProto.DOUBLE, ["N", 32])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def test_a_float64_model_whose_shapes_need_a_run_profiles(tmp_path):
+    """float64 is an admitted input type: the runs that find un-inferable shapes feed float64."""
+    path = tmp_path / "f64.onnx"
+    onnx.save(_float64_reshape_mlp(), path)
+    assert main(["profile", str(path), "--backend", "ort", "--threads", "1", "--rounds", "2", "--blocks", "3",
+                 "--batch-sizes", "1-2", "--splits", "1", "-q", "-o", str(tmp_path / "out")]) == 0
+    prof = json.loads((tmp_path / "out" / "f64.json").read_text())
+    assert prof["num_blocks"] == 3 and prof["equivalence"]["passed"]
+
+
+def test_an_output_that_barely_moves_is_judged_against_its_magnitude():
+    """One score per sample that two noise inputs move by 1.5e-4: fp16 rounding (2e-6) is no 1 %
+    error; a wrong value still is, as is an error on an output with a large constant offset."""
+    from ppiped.profiler.export import range_relative_error
+
+    whole = np.array([[0.47682643], [0.4769786]])
+    assert range_relative_error(whole + 1.7e-6, whole) < 5e-3
+    assert range_relative_error(whole + 0.01, whole) > 1e-2
+    logits = 100.0 + np.linspace(-1.0, 1.0, 10)[None, :]
+    assert range_relative_error(logits + 0.3, logits) > 1e-2

@@ -134,12 +134,21 @@ def blocks_from_extra(extra_blocks: Sequence[dict]) -> list[Block]:
         raise InputError(f"profile field blocks is malformed ({e!r}); re-run ppiped profile") from None
 
 
+# The narrowest range an output's error is measured against, as a share of its magnitude: the
+# largest relative spacing of fp16 numbers, which the boundaries carry. Outputs that vary across
+# the check batch by less than one fp16 step cannot show a wrong block by their range (one
+# sigmoid score per sample under 2 noise inputs: range 1.5e-4 around 0.48, where fp16 rounding
+# inside the blocks, 2e-6 at the output, read as a 1.3 % error and failed the check).
+RANGE_FLOOR = 2.0**-10
+
+
 class OutputError:
     """Running max |chain - whole| and the whole output's min, max and max |.| over batches.
 
     The error is relative to the output's range, not its largest magnitude: an output with a
     large constant offset (logits, a map around 100) would hide a wrong block behind max |whole|,
-    and element-wise relative error is undefined where an output is near zero. NaN propagates.
+    and element-wise relative error is undefined where an output is near zero. A range narrower
+    than ``RANGE_FLOOR`` of the magnitude counts as that (fp16's resolution). NaN propagates.
     """
 
     def __init__(self) -> None:
@@ -172,10 +181,10 @@ class OutputError:
         self.absmax = float(np.max([self.absmax, np.max(np.abs(w))]))
 
     def error(self) -> float:
-        """max |diff| / range; / max |whole| for a constant output; the plain diff for all zeros."""
-        scale = self.hi - self.lo
-        if not scale > 0:
-            scale = self.absmax
+        """max |diff| / range (at least ``RANGE_FLOOR`` x max |whole|); / max |whole| for a
+        constant output; the plain diff for all zeros."""
+        spread = self.hi - self.lo
+        scale = max(spread, RANGE_FLOOR * self.absmax) if spread > 0 else self.absmax
         return self.diff / scale if scale > 0 else self.diff
 
 
@@ -223,11 +232,11 @@ def chain_error(whole_path: str, block_paths: Sequence[str], batch: int = 2, see
     error over the outputs (NaN if any is NaN)."""
     import numpy as np
 
-    from .graph import ort_session
+    from .graph import ORT_INPUT_DTYPES, ort_session
 
     inp = ort_session(whole_path, "the model").get_inputs()[0]
     shape = [batch, *[d if isinstance(d, int) else 1 for d in inp.shape[1:]]]
-    x = np.random.default_rng(seed).random(shape).astype(np.float32)
+    x = np.random.default_rng(seed).random(shape).astype(ORT_INPUT_DTYPES.get(inp.type, np.float32))
     errs, _ = chain_errors(whole_path, block_paths, [x])
     return float(np.max(list(errs.values())))
 

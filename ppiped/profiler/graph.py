@@ -623,7 +623,11 @@ def _run_for(model: onnx.ModelProto, names: list[str], batch: int = 1, seed: int
     return dict(zip(names, (np.asarray(o) for o in outs), strict=True))
 
 
+# ONNX Runtime's names of the input types INPUT_TYPES admits: a float64 model fed float32 fails.
+ORT_INPUT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+
+
 def _random_input(meta, batch: int = 1, seed: int = 0) -> np.ndarray:
     shape = [d if isinstance(d, int) else (batch if k == 0 else 1) for k, d in enumerate(meta.shape)]
-    dt = {"tensor(float)": np.float32, "tensor(float16)": np.float16}.get(meta.type, np.float32)
+    dt = ORT_INPUT_DTYPES.get(meta.type, np.float32)
     return np.random.default_rng(seed).standard_normal(shape).astype(dt)
