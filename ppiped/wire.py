@@ -31,6 +31,9 @@ import msgspec
 
 VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
+# Largest PING header a scheduler answers: its token comes back in the PONG, so a large one
+# made every unread PING cost the scheduler its size again in memory.
+MAX_PING_BYTES = 512
 FRAME_SLACK = 4096  # above a payload cap, so a frame at the cap still passes ZMQ_MAXMSGSIZE
 
 
@@ -402,10 +405,10 @@ def _decode_checked(buf: Any) -> Message:
     if type(h) is not list or len(h) < 2:
         raise ProtocolError(MALFORMED, "header must be a msgpack array [version, type, ...]")
     if h[0] != VERSION:
-        raise ProtocolError(VERSION_MISMATCH, f"protocol version {h[0]!r}; this side speaks {VERSION}")
+        raise ProtocolError(VERSION_MISMATCH, f"protocol version {brief(h[0])}; this side speaks {VERSION}")
     schema = SCHEMAS.get(h[1]) if type(h[1]) is int else None
     if schema is None:
-        raise ProtocolError(MALFORMED, f"unknown message type {h[1]!r}")
+        raise ProtocolError(MALFORMED, f"unknown message type {brief(h[1])}")
     if len(h) != 2 + len(schema):
         opt = OPTIONAL.get(h[1], ())
         missing = 2 + len(schema) - len(h)
@@ -417,7 +420,7 @@ def _decode_checked(buf: Any) -> Message:
     for i, (name, ok, kind) in enumerate(schema):
         if i + 2 < len(h) and not ok(h[i + 2]):
             raise ProtocolError(MALFORMED, f"{T(h[1]).name}.{name}: expected {kind}, "
-                                f"got {_short(h[i + 2])}")
+                                f"got {brief(h[i + 2])}")
     return STRUCTS[h[1]](VERSION, *h[1:])
 
 
@@ -443,7 +446,9 @@ def expect_frames(h: Message, n_frames: int, wanted: int) -> None:
                             f"message has {n_frames}")
 
 
-def _short(x: Any) -> str:
+def brief(x: Any) -> str:
+    """``repr(x)`` cut to 40 characters: what error texts quote of a peer's value (a quoted 1 MB
+    field made every answer to it 4 MB)."""
     r = repr(x)
     return r if len(r) <= 40 else r[:37] + "..."
 
@@ -633,7 +638,7 @@ class Assignment:
                 and _str(gpu) and _uint(split) and _uint(server) and type(last) is bool
                 and _list(lat) and _list(trans) and lat
                 and all(isinstance(t, (int, float)) for t in lat + trans)):
-            raise ProtocolError(MALFORMED, f"WELCOME.assignments: bad entry {_short(x)}")
+            raise ProtocolError(MALFORMED, f"WELCOME.assignments: bad entry {brief(x)}")
         return cls(v, model, pipe, part, start, end, gpu, split, server, last,
                    [float(t) for t in lat], [float(t) for t in trans])
 

@@ -76,3 +76,60 @@ def test_after_the_fuzz_legit_clients_are_served(target):
     assert "Traceback" not in c.tail("serve.log", 5000)
     st_ = c.status()
     assert st_["vgpus"]["alive"] == 4
+
+
+def test_connections_that_only_pinged_leave_no_client_state(target):
+    """Every closed connection used to leave its identity's generation behind, whether or not
+    a request of it was ever in flight: 300 connect-ping-close rounds held 300 entries."""
+    c, _ = target
+    ctx = zmq.Context()
+    try:
+        for i in range(300):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(c.client_endpoint)
+            s.send(wire.ping(i))
+            assert s.poll(5000)
+            s.close(0)
+        with Client(c.client_endpoint, timeout_s=10) as cl:  # its messages drain the disconnects
+            assert cl.submit_many("tiny", [b"x"], slo_ms=2000)[0].data == b"x"
+            st_ = c.status()
+        assert st_["client_identities"] <= 10, st_["client_identities"]
+    finally:
+        ctx.destroy(0)
+
+
+def test_an_echoed_ping_token_is_bounded(target):
+    """A PING's token comes back in its PONG: past MAX_PING_BYTES it is refused, so unread
+    PINGs cannot make the daemon hold their size again."""
+    c, socks = target
+    s = socks["client"]
+    while s.poll(0):
+        s.recv_multipart()
+    s.send(wire.ping(b"t" * 64))
+    assert s.poll(5000)
+    h = wire.decode(s.recv_multipart()[0])
+    assert h.type == T.PONG and h.token == b"t" * 64
+    s.send(wire.ping(b"t" * wire.MAX_PING_BYTES))
+    assert s.poll(5000)
+    h = wire.decode(s.recv_multipart()[0])
+    assert h.type == T.ERROR and h.code == wire.MALFORMED and "PING of" in h.message
+
+
+@pytest.mark.parametrize("header", [
+    msgpack.packb([b"\0" * 100_000, 1]),  # a version field of 100 kB
+    msgpack.packb([wire.VERSION, "t" * 100_000]),  # a type field
+    wire.submit("m" * 100_000, 1000, [1]),  # an unknown model's name
+])
+def test_errors_never_quote_a_peer_field_whole(target, header):
+    """An answer to a bad header quotes at most a few dozen characters of it: quoting whole
+    fields made every reply (and log line) 4x the size of what provoked it."""
+    c, socks = target
+    s = socks["client"]
+    while s.poll(0):
+        s.recv_multipart()
+    s.send_multipart([header, b"x"])
+    assert s.poll(5000)
+    reply = s.recv_multipart()
+    assert sum(len(f) for f in reply) < 1000
+    assert c.server.poll() is None

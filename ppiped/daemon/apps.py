@@ -227,7 +227,7 @@ class Queries:
                                                        "sent to an earlier scheduler")])
             return None
         if app is None:
-            return refuse(wire.UNKNOWN_APP, f"unknown app {name!r} (plan v{srv.plan_version} serves "
+            return refuse(wire.UNKNOWN_APP, f"unknown app {wire.brief(name)} (plan v{srv.plan_version} serves "
                           f"{', '.join(self.apps) or 'no apps'})")
         ast = self.stats[app.name]
         ast.offered += 1

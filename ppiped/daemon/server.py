@@ -53,6 +53,7 @@ from .config import (
 )
 from .ctl_server import CtlServer
 from .loop import (
+    NOBLOCK,
     Reader,
     Timers,
     has_input,
@@ -94,6 +95,8 @@ _ACTION_VIEWS = ("path", "n_hops", "req_start", "bs", "res_start", "n_res_of", "
 OFFSET_SAMPLES = 16
 MAX_VGPU_ID = 1 << 16  # registrations beyond the plan's vGPUs wait on standby, up to this id
 MAX_VGPUS_PER_EXEC = 4096  # vGPUs one executor process may register
+MAX_ENDPOINT_CHARS = 256  # REGISTER.data_endpoint
+MAX_BACKEND_CHARS = 64  # REGISTER.backend (a name: emulate, ort, trt, torch)
 DONE_BATCH_KEEP_US = 2_000_000  # keep answered batches this long for late feedback
 # An executor charged with this many overdue batches in a row (Server._blame_overdue) is removed
 # and its vGPUs refused for QUARANTINE_US, doubling at each repeat up to QUARANTINE_MAX_US.
@@ -711,6 +714,11 @@ class Server:
         elif kind == T.QUERY:
             self.queries.on_query(ident, h, msg, t)
         elif kind == T.PING:
+            if len(msg[1]) > wire.MAX_PING_BYTES:  # its token is echoed: no amplifier for floods
+                self.counters["malformed"] += 1
+                send_parts(self.client, [ident, wire.error(wire.MALFORMED, f"PING of {len(msg[1])} bytes: "
+                                                           f"at most {wire.MAX_PING_BYTES}, token included")])
+                return
             info = {"version": wire.VERSION, "epoch": self.epoch, "checks_epoch": True,
                     "models": {m: self._model_info(i) for i, m in enumerate(self.model_names)},
                     "max_payload_bytes": self.cfg.max_payload_bytes,
@@ -935,7 +943,11 @@ class Server:
         ident = self.fd_ident.pop(ev.get("value"), None)
         if ident is not None and self.ident_fd.get(ident) == ev.get("value"):
             del self.ident_fd[ident]
-            self.ident_gen[ident] = self.ident_gen.get(ident, 0) + 1
+            if ident in self.peers:
+                self.ident_gen[ident] = self.ident_gen.get(ident, 0) + 1
+            else:  # it never had a request in flight: no reply to void, and nothing to keep
+                # (one entry per closed connection that only pinged grew without bound)
+                self.ident_gen.pop(ident, None)
 
     def _drain_client_events(self) -> None:
         """Read the disconnects libzmq has noted so far. Before a client message is handled and
@@ -1042,7 +1054,7 @@ class Server:
         """What is served instead, and since when a removed model is gone."""
         serves = f"plan v{self.plan_version} serves {', '.join(self.model_names)}"
         v = self.removed_models.get(model)
-        return f"unknown model {model!r} ({f'it was removed by plan v{v}; ' if v else ''}{serves})"
+        return f"unknown model {wire.brief(model)} ({f'it was removed by plan v{v}; ' if v else ''}{serves})"
 
     def _drop_reqs(self, reqs: list[Req], reason: str) -> None:
         """Reply DROPPED to each request, one message per client."""
@@ -1200,8 +1212,9 @@ class Server:
             try:
                 tags = wire.path_tags([e.key for e in execs], bid, path, hop_start) if k > 1 else ()
                 send_parts(exe, [execs[0].ident, wire.dispatch(bid, path, hop_start, ids, tags),
-                                 *[r.frame for r in rs]])
-            except zmq.ZMQError as e:  # the executor's connection is gone (mandatory routing)
+                                 *[r.frame for r in rs]], NOBLOCK)
+            except zmq.ZMQError as e:  # the executor's connection is gone (mandatory routing), or
+                # it has left a million messages unread: either way it is not serving
                 log.warning("dispatch-failed", vgpu=path[0], error=str(e))
                 self._book(batch, due, 0)
                 self.remove_executor(execs[0], "unreachable")  # loses the batch: requeued
@@ -1296,7 +1309,7 @@ class Server:
                 ex.last_seen = now_us()
         except wire.ProtocolError as e:
             self.counters["exec_malformed"] += 1
-            self.warn_limited("bad-executor-message", code=e.code, error=str(e))
+            self.warn_limited("bad-executor-message", code=e.code, error=str(e)[:300])
             self._send_exec(ident, wire.error(e.code, str(e)))
 
     def warn_limited(self, event: str, **fields: Any) -> None:
@@ -1311,9 +1324,17 @@ class Server:
             self.counters[f"suppressed_{event}"] += 1
 
     def _send_exec(self, ident: bytes, *frames: Any) -> bool:
+        """Send to an executor-socket peer without ever blocking: a peer that does not read its
+        replies fills its queue, and a blocking send then stopped the whole loop for good (a
+        DEALER flooding unregistered heartbeats and reading none did it in 8 s). What cannot
+        go is dropped and counted; a registered executor that stops reading is found out by
+        its heartbeats."""
         try:
-            send_parts(self.exe, [ident, *frames])
+            send_parts(self.exe, [ident, *frames], NOBLOCK)
             return True
+        except zmq.Again:
+            self.counters["exec_sends_dropped"] += 1
+            return False
         except zmq.ZMQError:
             return False
 
@@ -1355,6 +1376,14 @@ class Server:
             self._send_exec(ident, wire.error("unknown-vgpu", f"vGPU id(s) {str(bad or vgpus)[:200]} out of "
                                               f"range (0-{MAX_VGPU_ID - 1}; the plan has 0-{self.nv - 1})"))
             return
+        if len(endpoint) > MAX_ENDPOINT_CHARS or len(backend) > MAX_BACKEND_CHARS:
+            # (both are kept, logged and shown: 900 kB backends wrote megabytes of log)
+            self.counters["register_refused"] += 1
+            self.warn_limited("register-refused", vgpus=format_ranges(vgpus), pid=pid, error="oversized fields")
+            self._send_exec(ident, wire.error(wire.MALFORMED, f"REGISTER: data_endpoint of {len(endpoint)} and "
+                                              f"backend of {len(backend)} characters (at most "
+                                              f"{MAX_ENDPOINT_CHARS} and {MAX_BACKEND_CHARS})"))
+            return
         try:
             check_endpoint(endpoint, "data_endpoint", "REGISTER", self.cfg.allow_remote)
         except ConfigError as e:
@@ -1373,7 +1402,7 @@ class Server:
             self._send_peers(only=old)
             return
         if old is not None:
-            self.remove_executor(old, "re-registered")
+            self.remove_executor(old, "re-registered", limited=True)
         t = now_us()
         for v in vgpus:
             prev = self.vgpu_exec[v] if v < self.nv else None
@@ -1397,8 +1426,10 @@ class Server:
         standby = [v for v in vgpus if v >= self.nv]
         if len(standby) < len(vgpus):  # (a standby-only executor changes no one's directory)
             self._send_peers()
-        log.info("executor-registered", vgpus=format_ranges(vgpus), pid=pid, backend=backend, data=endpoint,
-                 standby=format_ranges(standby) if standby else "-")
+        # (a new incarnation on the same connection is no fresh start: a loop of them is limited)
+        (self.warn_limited if old is not None else log.info)(
+            "executor-registered", vgpus=format_ranges(vgpus), pid=pid, backend=backend, data=endpoint,
+            standby=format_ranges(standby) if standby else "-")
 
     def _welcome(self, ident: bytes, vgpus: list[int]) -> None:
         """WELCOME with the assignments in force; vGPUs the plan lacks wait on standby until a plan
@@ -1492,7 +1523,9 @@ class Server:
                     batches_overdue=ex.overdue, hold_s=hold / 1e6)
         self.remove_executor(ex, f"{ex.overdue} batches overdue in a row")
 
-    def remove_executor(self, ex: ExecState, why: str) -> None:
+    def remove_executor(self, ex: ExecState, why: str, limited: bool = False) -> None:
+        """Forget ``ex`` and requeue its batches; ``limited``: its log line goes through
+        :meth:`warn_limited` (a peer re-registering in a loop wrote two lines per message)."""
         if self.execs.get(ex.ident) is not ex:
             return
         del self.execs[ex.ident]
@@ -1509,8 +1542,8 @@ class Server:
         for b in lost:
             self.lose_batch(b, why)
         self.counters["executors_lost"] += 1
-        log.warning("executor-removed", vgpus=format_ranges(ex.vgpus), pid=ex.pid, reason=why,
-                    batches_lost=len(lost))
+        (self.warn_limited if limited else log.warning)(
+            "executor-removed", vgpus=format_ranges(ex.vgpus), pid=ex.pid, reason=why, batches_lost=len(lost))
         if any(v < self.nv for v in ex.vgpus):
             self._send_peers()
         self._dirty_decide = True
@@ -1548,10 +1581,11 @@ class Server:
             return
         if len(frames) != len(ids):
             raise wire.ProtocolError(wire.MALFORMED, f"RESULT for {len(ids)} requests carries {len(frames)} frames")
-        # Results only from the executor holding the batch's last hop; failures from any hop.
+        # Results only from the executor holding the batch's last hop; failures from any hop;
+        # nothing from off the path (an empty RESULT from a standby process was taken, and its
+        # lateness sample fed the admission window)
         last = self.vgpu_exec[b.path[-1]] if b.path[-1] < self.nv else None
-        if (ids and last is not ex) or (failed and not any(
-                v < self.nv and self.vgpu_exec[v] is ex for v in b.path)):
+        if (ids and last is not ex) or not any(v < self.nv and self.vgpu_exec[v] is ex for v in b.path):
             self.counters["foreign_results"] += 1
             self.warn_limited("foreign-result", batch=bid, pid=ex.pid, vgpus=format_ranges(ex.vgpus),
                               path=b.path)
@@ -1863,7 +1897,8 @@ class Server:
                       "missing": format_ranges([v for v in range(self.nv) if self.vgpu_exec[v] is None])},
             "busy_us": list(self.busy_us),
             "in_flight_batches": sum(1 for b in self.batches.values() if not b.answered),
-            "queued": len(self.reqs), "clients": len(self.peers), "overhead_us": self.overhead_us(),
+            "queued": len(self.reqs), "clients": len(self.peers), "client_identities": len(self.ident_gen),
+            "overhead_us": self.overhead_us(),
             "wake_late_us": self._pcts(self.wake_late, self.n_wake),
             "shed_us": self._pcts(self.shed_us, self.n_shed), "counters": dict(self.counters),
             "core": self.core.stats(), "totals": self._totals(), "apps": self.queries.status(),
