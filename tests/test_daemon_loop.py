@@ -63,3 +63,27 @@ def test_reader_drains_messages_queued_before_and_after_it_exists(pair):
     asyncio.run(main())
     assert got == [str(i).encode() for i in range(5)] + [str(i).encode() for i in range(50)]
     assert after_calls  # the after-hook ran once per non-empty wake-up
+
+
+def test_a_timer_callback_that_raises_stops_no_other_timer():
+    """One callback raising used to leave the timerfd unarmed: every later timer (an
+    executor's heartbeats) waited for some other event to arm it again."""
+    from ppiped.daemon.loop import Timers, now_us
+
+    loop = asyncio.new_event_loop()
+    timers = Timers(loop)
+    fired: list[str] = []
+
+    def boom() -> None:
+        raise ZeroDivisionError("from a callback")
+
+    try:
+        t = now_us()
+        timers.call_at(t + 1_000, boom)
+        timers.call_at(t + 2_000, fired.append, "same wake-up or the next")
+        timers.call_at(t + 30_000, fired.append, "later")
+        loop.run_until_complete(asyncio.sleep(0.2))
+        assert fired == ["same wake-up or the next", "later"]
+    finally:
+        timers.close()
+        loop.close()

@@ -482,6 +482,52 @@ def test_metrics_endpoint(ops):
     assert "Traceback" not in (ops.dir / "serve.log").read_text()
 
 
+def _daemon_fds(ops) -> int:
+    return len(os.listdir(f"/proc/{ops.cluster.server.pid}/fd"))
+
+
+def test_idle_metrics_and_ctl_connections_are_bounded(ops):
+    """Connections that send half a request and wait hold at most the listeners' caps of the
+    daemon's descriptors (1,000 dripping metrics connections once exhausted them and libzmq
+    aborted the daemon), the extra ctl ones are told why, and serving goes on throughout."""
+    from ppiped.client import Client
+    from ppiped.daemon import ctl_server, metrics
+
+    before = _daemon_fds(ops)
+    held = []
+    try:
+        for _ in range(3 * metrics.MAX_CONNECTIONS):
+            s = socket.create_connection(("127.0.0.1", ops.port), timeout=10)
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")
+            held.append(s)
+        for _ in range(ctl_server.MAX_CONNECTIONS + 5):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(10)
+            s.connect(ops.sock)
+            s.sendall(b'{"cmd": "sta')
+            held.append(s)
+        extra = held[-1].recv(4096)
+        assert b"ctl connections are open already" in extra
+        time.sleep(0.5)
+        assert _daemon_fds(ops) <= before + metrics.MAX_CONNECTIONS + ctl_server.MAX_CONNECTIONS + 8
+        with Client(ops.cluster.client_endpoint, timeout_s=10) as c:
+            assert c.submit("tiny", b"x" * 16) is not None
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the held ones are let go as their peers close
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{ops.port}/metrics",
+                                                                  timeout=5) as r:
+            if r.status == 200:
+                break
+        time.sleep(0.2)
+    else:
+        pytest.fail("no scrape answered after the idle connections closed")
+    assert ctl.call(ops.sock, {"cmd": "status"})["state"] == "serving"
+    assert ops.cluster.server.poll() is None
+
+
 def test_sd_notify_ready_watchdog_status(ops):
     notes = "\n".join(_notes(ops.notify))
     assert "READY=1" in notes and "WATCHDOG=1" in notes and "STATUS=" in notes

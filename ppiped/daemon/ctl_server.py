@@ -22,7 +22,7 @@ from .. import logs
 from ..errors import InputError
 from ..plan import check_weights, format_plan_table, load_plan
 from .config import ConfigError, format_ranges
-from .loop import now_us
+from .loop import ConnectionCap, now_us
 from .replan import missing_vgpus, placeable
 
 if TYPE_CHECKING:
@@ -32,6 +32,8 @@ log = logs.get("ppiped.ctl")
 
 COMMANDS = ("status", "plan", "executors", "drain", "replan")
 MAX_LINE = 1 << 20
+MAX_CONNECTIONS = 64  # ctl connections open at once
+IDLE_S = 120.0  # the longest wait for a request line (each answer restarts it)
 
 
 MAX_PLAN_FILE_BYTES = 64 << 20  # plans are KB to a few MB; a FIFO, /dev/zero or a huge file is refused
@@ -41,6 +43,7 @@ class CtlServer:
     def __init__(self, srv: Server, path: str, mode: int = 0o660, group: str = "") -> None:
         self.srv, self.path, self.mode, self.group = srv, path, mode, group
         self.server: asyncio.AbstractServer | None = None
+        self.cap = ConnectionCap(MAX_CONNECTIONS, IDLE_S)
 
     @staticmethod
     def group_id(group: str, source: str) -> int:
@@ -84,8 +87,16 @@ class CtlServer:
             os.unlink(self.path)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.cap.admit():
+            with contextlib.suppress(ConnectionError, OSError):
+                writer.write(json.dumps({"ok": False, "error": f"{self.cap.limit} ctl connections are open "
+                                         "already; try again"}).encode() + b"\n")
+                writer.close()
+            return
         try:
-            while line := await reader.readline():
+            # (a request line must come within IDLE_S of the previous answer: held connections and
+            # lines dripped byte by byte otherwise kept the daemon's descriptors and memory)
+            while line := await asyncio.wait_for(reader.readline(), self.cap.seconds):
                 try:
                     try:
                         text = line.decode()
@@ -107,13 +118,15 @@ class CtlServer:
                 writer.write(json.dumps({"ok": False, "error": f"request line longer than {MAX_LINE} bytes"})
                              .encode() + b"\n")
                 await writer.drain()
-        except (ConnectionError, asyncio.LimitOverrunError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.LimitOverrunError, asyncio.IncompleteReadError, TimeoutError,
+                asyncio.TimeoutError):
             pass
         except asyncio.CancelledError:
             # shutdown with a connection open: end quietly (Python 3.11's stream callback calls
             # task.exception() on a cancelled handler and logs the CancelledError as a crash)
             pass
         finally:
+            self.cap.release()
             with contextlib.suppress(ConnectionError, OSError):
                 writer.close()
 

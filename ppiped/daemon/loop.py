@@ -31,6 +31,10 @@ from typing import Any
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
+from .. import logs
+
+_log = logs.get("ppiped.loop")
+
 
 def now_us() -> int:
     return time.monotonic_ns() // 1000
@@ -143,6 +147,27 @@ def _timerfd() -> tuple[int, Callable[[int], None]] | None:
     return fd, arm
 
 
+class ConnectionCap:
+    """At most ``limit`` stream connections open at once, each for at most ``seconds`` in all:
+    the metrics and ctl listeners' bound on what idle or dripping peers may hold. Without it,
+    1,000 connections sending one header line every 3 s took the daemon's file descriptors and
+    libzmq aborted on the next client connection."""
+
+    def __init__(self, limit: int, seconds: float) -> None:
+        self.limit, self.seconds, self.open = limit, seconds, 0
+        self.refused = 0
+
+    def admit(self) -> bool:
+        if self.open >= self.limit:
+            self.refused += 1
+            return False
+        self.open += 1
+        return True
+
+    def release(self) -> None:
+        self.open -= 1
+
+
 class Timers:
     """A heap of callbacks keyed by absolute µs, fired from one timerfd (or loop.call_at)."""
 
@@ -200,13 +225,21 @@ class Timers:
         heap = self._heap
         self._armed_for = None
         t = now_us()
-        while heap and heap[0][0] <= t:
-            entry = heapq.heappop(heap)
-            cb = entry[2]
-            if cb is not None:
-                entry[2] = None
-                cb(*entry[3])
-        self._rearm()
+        try:
+            while heap and heap[0][0] <= t:
+                entry = heapq.heappop(heap)
+                cb = entry[2]
+                if cb is not None:
+                    entry[2] = None
+                    try:
+                        cb(*entry[3])
+                    except Exception as e:  # noqa: BLE001 - one failing callback stops no other timer
+                        _log.error("timer-callback-failed", callback=getattr(cb, "__qualname__", repr(cb)),
+                                   error=f"{type(e).__name__}: {e}"[:300])
+        finally:
+            # (a callback that raised used to leave the timerfd unarmed: an executor's heartbeats
+            # then stopped until some other event armed it again)
+            self._rearm()
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -12,11 +12,14 @@ import bisect
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from .loop import now_us
+from .loop import ConnectionCap, now_us
 
 if TYPE_CHECKING:
     from .server import Server
 
+# Scrapes served at once, and the seconds one may take in all (a scrape is one short GET).
+MAX_CONNECTIONS = 16
+REQUEST_S = 10.0
 # dispatch-decision latency buckets, seconds (a decision should take microseconds)
 DECIDE_BUCKETS_S = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 2e-2)
 
@@ -196,36 +199,48 @@ class MetricsServer:
     def __init__(self, srv: Server, host: str, port: int) -> None:
         self.srv, self.host, self.port = srv, host, port
         self.server: asyncio.AbstractServer | None = None
+        self.cap = ConnectionCap(MAX_CONNECTIONS, REQUEST_S)
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._handle, self.host, self.port)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            try:
-                line = await asyncio.wait_for(reader.readline(), 5.0)
-                for _ in range(100):  # headers, read and ignored
-                    if await asyncio.wait_for(reader.readline(), 5.0) in (b"\r\n", b"\n", b""):
-                        break
-            except ValueError:  # a line past the stream's limit (64 KiB): asyncio raises, not returns
-                writer.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\n"
-                             b"Connection: close\r\n\r\n")
-                await writer.drain()
-                return
-            parts = line.decode("latin-1").split()
-            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] in ("/metrics", "/"):
-                body = render(self.srv).encode()
-                status, ctype = "200 OK", "text/plain; version=0.0.4; charset=utf-8"
-            else:
-                body, status, ctype = b"not found: try GET /metrics\n", "404 Not Found", "text/plain"
-            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                         "Connection: close\r\n\r\n".encode() + body)
-            await writer.drain()
-        except (TimeoutError, ConnectionError, UnicodeDecodeError):
-            pass
-        finally:
+        if not self.cap.admit():  # (closed unread: a scraper retries; a flood holds nothing)
             with contextlib.suppress(ConnectionError, OSError):
                 writer.close()
+            return
+        try:
+            await asyncio.wait_for(self._answer(reader, writer), self.cap.seconds)
+        except (TimeoutError, asyncio.TimeoutError, ConnectionError, UnicodeDecodeError):
+            pass
+        except asyncio.CancelledError:  # shutdown mid-scrape: end quietly (see CtlServer._handle)
+            pass
+        finally:
+            self.cap.release()
+            with contextlib.suppress(ConnectionError, OSError):
+                writer.close()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One request, headers read and ignored, one answer."""
+        try:
+            line = await reader.readline()
+            for _ in range(100):
+                if await reader.readline() in (b"\r\n", b"\n", b""):
+                    break
+        except ValueError:  # a line past the stream's limit (64 KiB): asyncio raises, not returns
+            writer.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\n"
+                         b"Connection: close\r\n\r\n")
+            await writer.drain()
+            return
+        parts = line.decode("latin-1").split()
+        if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] in ("/metrics", "/"):
+            body = render(self.srv).encode()
+            status, ctype = "200 OK", "text/plain; version=0.0.4; charset=utf-8"
+        else:
+            body, status, ctype = b"not found: try GET /metrics\n", "404 Not Found", "text/plain"
+        writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                     "Connection: close\r\n\r\n".encode() + body)
+        await writer.drain()
 
     async def close(self) -> None:
         if self.server is not None:
