@@ -30,6 +30,7 @@ import contextlib
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -132,6 +133,11 @@ _RETRY_S = 0.005
 UNREACHABLE_S = 2.0
 # A pending request ends with this reason (Dropped) when its client is closed.
 CLIENT_CLOSED = "client-closed"
+# ERROR messages kept in ``AsyncClient.errors``, the latest first to stay.
+ERRORS_KEPT = 1000
+# Largest frame the client takes from the server (a result tensor; 2 GiB): libzmq drops a
+# connection that sends a larger one before allocating it.
+MAX_FRAME_BYTES = 1 << 31
 
 
 def error_for(status: int, reason: str, model: str = "", stage: str = "", detail: str = "",
@@ -226,7 +232,9 @@ class AsyncClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: Reader | None = None
         self._pings: dict[int, asyncio.Future] = {}
-        self.errors: list[tuple[str, str]] = []  # ERROR messages not tied to a request
+        # ERROR messages not tied to a request, the latest ERRORS_KEPT (a server sending nothing
+        # else grew the list without bound)
+        self.errors: deque[tuple[str, str]] = deque(maxlen=ERRORS_KEPT)
         self.watch_s = watch_s
         self.epoch: int | None = None  # the scheduler's, from its PONGs
         self._stamp = False  # its PONG says it refuses requests stamped with another epoch
@@ -241,6 +249,7 @@ class AsyncClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # refused before it is allocated
         if self._sec is not None:
             connect_as(sock, self._sec)
         sock.connect(self.endpoint)
@@ -523,7 +532,8 @@ class AsyncClient:
             mp = h.info.get("max_payload_bytes")
             if isinstance(mp, int) and not isinstance(mp, bool) and mp > 0:
                 self.max_payload_bytes = mp
-            fut = self._pings.get(h.token)
+            fut = self._pings.get(h.token) if type(h.token) is int else None  # (ours are ints; a
+            # list or map from a broken server raised out of the reader)
             if fut is not None and not fut.done():
                 fut.set_result(h.info)
         elif t == T.ERROR:

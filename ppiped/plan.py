@@ -41,13 +41,13 @@ def check_weights(weights: Any, models: list[str]) -> list[float]:
     from .errors import InputError  # (errors imports this module)
 
     if not isinstance(weights, (list, tuple)) or len(weights) != len(models):
-        raise InputError(f"weights: expected {len(models)} (one per model: {', '.join(models)}), got {weights!r}")
+        raise InputError(f"weights: expected {len(models)} (one per model: {', '.join(models)}), got {repr(weights)[:80]}")
     bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, numbers.Real)
            or not WEIGHT_MIN <= w <= WEIGHT_MAX]
     if bad:
-        raise InputError(f"weights: expected numbers in [{WEIGHT_MIN:g}, {WEIGHT_MAX:g}], got {bad[0]!r}")
+        raise InputError(f"weights: expected numbers in [{WEIGHT_MIN:g}, {WEIGHT_MAX:g}], got {repr(bad[0])[:40]}")
     if max(weights) > WEIGHT_MAX_RATIO * min(weights):
-        raise InputError(f"weights {list(weights)}: the largest is more than {WEIGHT_MAX_RATIO:g} x the smallest")
+        raise InputError(f"weights {str(list(weights))[:200]}: the largest is more than {WEIGHT_MAX_RATIO:g} x the smallest")
     return [float(w) for w in weights]
 
 

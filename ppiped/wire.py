@@ -34,6 +34,10 @@ MAX_HEADER_BYTES = 1 << 20
 # Largest PING header a scheduler answers: its token comes back in the PONG, so a large one
 # made every unread PING cost the scheduler its size again in memory.
 MAX_PING_BYTES = 512
+# Largest latency (µs) an assignment may carry: a profile's own upper bound, 3 hours (see
+# profiles.MAX_LATENCY_US); and the heartbeat interval a WELCOME may ask for (ms).
+MAX_ASSIGNED_US = 1e10
+MAX_HEARTBEAT_MS = 60_000
 FRAME_SLACK = 4096  # above a payload cap, so a frame at the cap still passes ZMQ_MAXMSGSIZE
 
 
@@ -635,9 +639,10 @@ class Assignment:
             raise ProtocolError(MALFORMED, "WELCOME.assignments: each entry is a 12-field list")
         v, model, pipe, part, start, end, gpu, split, server, last, lat, trans = x
         if not (_uint(v) and _str(model) and _uint(pipe) and _uint(part) and _uint(start) and _uint(end)
-                and _str(gpu) and _uint(split) and _uint(server) and type(last) is bool
+                and start < end and _str(gpu) and _uint(split) and _uint(server) and type(last) is bool
                 and _list(lat) and _list(trans) and lat
-                and all(isinstance(t, (int, float)) for t in lat + trans)):
+                and all(type(t) in (int, float) and 0 <= t <= MAX_ASSIGNED_US for t in lat + trans)):
+            # (an infinite or NaN latency wedged the vGPU's worker; 1e300 made it sleep for ever)
             raise ProtocolError(MALFORMED, f"WELCOME.assignments: bad entry {brief(x)}")
         return cls(v, model, pipe, part, start, end, gpu, split, server, last,
                    [float(t) for t in lat], [float(t) for t in trans])

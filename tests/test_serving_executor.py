@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -625,3 +626,36 @@ def test_a_welcome_mid_load_adopts_what_a_prepare_preloaded_meanwhile(sched, tmp
     loads = [line for line in err.splitlines() if " loaded " in line]
     assert len(loads) == 2 and "partition=1" in loads[-1], loads
     assert "switched prep=7" in err and "reloading" not in err
+
+
+def test_a_hostile_welcome_or_peers_is_refused_and_the_executor_serves_on(sched, tmp_path):
+    """Latencies that are infinite, NaN or absurd, a heartbeat interval of 2^40 ms, assignments
+    for vGPUs the executor does not run, and a directory of 1,500 peers: each used to wedge a
+    vGPU, silence the heartbeats, leave its own vGPUs idle or raise out of the timers. Each is
+    now refused with a named warning (or connected lazily), and a good WELCOME is then served."""
+    cfg = write_config(tmp_path)
+    p = sched.spawn(cfg, "0-1")
+    ident, _, _ = sched.recv(T.REGISTER)
+    bad = [
+        wire.welcome([assignment(0, 0, False, [math.inf] * 4), assignment(1, 1, True)], 50, DATA_KEY),
+        wire.welcome([assignment(0, 0, False, [math.nan] * 4), assignment(1, 1, True)], 50, DATA_KEY),
+        wire.welcome([assignment(0, 0, False, [1e300] * 4), assignment(1, 1, True)], 50, DATA_KEY),
+        wire.welcome([assignment(0, 0, False), assignment(1, 1, True)], 2**40, DATA_KEY),
+        wire.welcome([assignment(5, 0, False), assignment(999_999, 1, True)], 50, DATA_KEY),
+    ]
+    for msg in bad:
+        sched.send(ident, msg)
+    sched.send(ident, wire.peers({v: f"ipc://{tmp_path}/p{v}.sock" for v in range(100, 1600)}))
+    time.sleep(0.5)
+    assert p.poll() is None
+    with pytest.raises(AssertionError):  # none of them was taken: nothing loads
+        loaded(sched, timeout_s=0.5)
+    welcome(sched, ident, [0, 1])
+    sched.send(ident, dispatch(3, [0, 1], [now_us()] * 2, [7], {0: DATA_KEY, 1: DATA_KEY}), b"z")
+    _, h, frames = sched.recv(T.RESULT)
+    assert h.batch == 3 and frames == [b"z"]
+    for _ in range(3):  # and it heartbeats on
+        sched.recv(T.HEARTBEAT, timeout_s=1.0)
+    p.kill()
+    err = p.communicate(timeout=10)[1]
+    assert err.count("bad-message") >= 5 and "Traceback" not in err, err[-2000:]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .. import wire
 from ..errors import InputError
 from ..readfile import read_toml
 from ..security import KeyFileError, Security, load_keypair, load_public_keys
@@ -368,6 +369,9 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
     hb = top.sub("heartbeat")
     cfg.heartbeat_interval_ms = hb.get("interval_ms", cfg.heartbeat_interval_ms, "int+")
     cfg.heartbeat_timeout_ms = hb.get("timeout_ms", cfg.heartbeat_timeout_ms, "int+")
+    if cfg.heartbeat_interval_ms > wire.MAX_HEARTBEAT_MS:  # (executors refuse a WELCOME asking for more)
+        raise ConfigError(f"{src}: heartbeat.interval_ms: at most {wire.MAX_HEARTBEAT_MS}, got "
+                          f"{cfg.heartbeat_interval_ms}")
     if cfg.heartbeat_timeout_ms < 2 * cfg.heartbeat_interval_ms:
         raise ConfigError(f"{src}: heartbeat.timeout_ms: must be at least twice interval_ms "
                           f"({cfg.heartbeat_interval_ms}), got {cfg.heartbeat_timeout_ms}")

@@ -18,7 +18,7 @@ import stat
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import logs
+from .. import logs, wire
 from ..errors import InputError
 from ..plan import check_weights, format_plan_table, load_plan
 from .config import ConfigError, format_ranges
@@ -144,7 +144,7 @@ class CtlServer:
             return {"ok": True, **await drain(srv, _flag(req, "off"), _seconds(req, "timeout_s", 30.0))}
         if cmd == "replan":
             return await self.replan(req)
-        raise InputError(f"unknown command {cmd!r} (known: {', '.join(COMMANDS)})")
+        raise InputError(f"unknown command {wire.brief(cmd)} (known: {', '.join(COMMANDS)})")
 
     async def replan(self, req: dict[str, Any]) -> dict[str, Any]:
         srv = self.srv
@@ -169,7 +169,7 @@ class CtlServer:
         if req.get("plan_file"):  # migrate to a plan made elsewhere (e.g. `ppiped plan`)
             path = req["plan_file"]
             if not isinstance(path, str):
-                raise InputError(f"plan_file: expected a path, got {path!r}")
+                raise InputError(f"plan_file: expected a path, got {wire.brief(path)}")
             try:
                 st = os.stat(path)
             except OSError as e:
@@ -192,7 +192,7 @@ def _flag(req: dict[str, Any], key: str) -> bool:
     read as true."""
     v = req.get(key, False)
     if not isinstance(v, bool):
-        raise InputError(f"{key}: expected true or false, got {v!r}")
+        raise InputError(f"{key}: expected true or false, got {wire.brief(v)}")
     return v
 
 
@@ -202,7 +202,7 @@ MAX_TIMEOUT_S = 86400.0
 def _seconds(req: dict[str, Any], key: str, default: float) -> float:
     v = req.get(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_TIMEOUT_S:
-        raise InputError(f"{key}: expected seconds in [0, {MAX_TIMEOUT_S:g}], got {v!r}")
+        raise InputError(f"{key}: expected seconds in [0, {MAX_TIMEOUT_S:g}], got {wire.brief(v)}")
     return float(v)
 
 

@@ -1823,7 +1823,7 @@ class Server:
             elif cmd in ("reset-overhead", "stop") and not self.cfg.ctl.startswith("ipc://") \
                     and not self.cfg.security.curve:
                 # Anyone who can reach a TCP port could send it; a unix socket has file permissions.
-                out = {"error": f"{cmd!r} is refused on a TCP ctl endpoint (status only); use an "
+                out = {"error": f"{wire.brief(cmd)} is refused on a TCP ctl endpoint (status only); use an "
                                 "ipc:// endpoints.ctl, or ppiped-ctl over the ctl unix socket"}
             elif cmd == "reset-overhead":
                 self.n_overhead = self.n_wake = self.n_shed = 0
@@ -1832,7 +1832,7 @@ class Server:
                 self.loop.call_soon(self.stop)
                 out = {"ok": True}
             else:
-                out = {"error": f"unknown command {cmd!r} (status, reset-overhead, stop)"}
+                out = {"error": f"unknown command {wire.brief(cmd)} (status, reset-overhead, stop)"}
         except (ValueError, AttributeError, RecursionError) as e:
             out = {"error": f"bad request: {type(e).__name__}: {e}"[:1000]}
         frames = [ident, b""] if delim else [ident]

@@ -73,6 +73,7 @@ DATA_SLICE_US = 1000
 DATA_PACE_AFTER_US = 5000
 DATA_FLOOD_DUTY = 0.5
 PEER_RETRY_US = 200_000
+EAGER_PEERS = 256  # peer endpoints connected when PEERS comes; the rest at their first batch
 MAX_VGPUS_PER_PROCESS = 4096
 """Most vGPUs one executor process runs. Emulated clusters put some hundreds in one process
 (each is a Worker on the one event loop, and REGISTER and heartbeats list them all); beyond a
@@ -421,7 +422,9 @@ class Executor:
             else:
                 log.warning("unexpected-message", type=T(t).name)
         except wire.ProtocolError as e:
-            log.warning("bad-message", source="scheduler", code=e.code, error=str(e))
+            log.warning("bad-message", source="scheduler", code=e.code, error=str(e)[:300])
+        except Exception as e:  # noqa: BLE001 - no message of the scheduler's takes the executor down
+            log.error("scheduler-message-failed", error=f"{type(e).__name__}: {e}"[:300])
 
     def on_peers(self, flat: list) -> None:
         """The directory of data endpoints; an entry that is not a vGPU id and a valid endpoint
@@ -442,14 +445,19 @@ class Executor:
         for ep in set(self.push_socks) - set(directory.values()):
             self.push_socks.pop(ep).close(0)
         self.directory = directory
-        for v in self.directory:  # connect now: a first send must not wait for a handshake
+        # connect now: a first send must not wait for a handshake (to the first EAGER_PEERS
+        # endpoints: the others at their first batch, so a directory of thousands of processes
+        # does not take a socket each)
+        for v in self.directory:
+            if len(self.push_socks) >= EAGER_PEERS:
+                break
             if v not in self.workers and v not in self.vgpus:
                 self._push_sock(v)
 
     def on_error(self, code: str, message: str) -> None:
         if code == wire.UNREGISTERED:
             if self.registered:
-                log.warning("re-register", reason=message)
+                log.warning("re-register", reason=message[:300])
                 for w in self.workers.values():  # the scheduler gave those batches up with us
                     w.heap.clear()
             self.registered = False
@@ -457,11 +465,19 @@ class Executor:
         elif code in (wire.VGPU_TAKEN, wire.QUARANTINED):
             log.warning(code, error=message)  # the register retry timer tries again
         else:
-            log.error("scheduler-refused", code=code, error=message)
+            log.error("scheduler-refused", code=code[:64], error=message[:300])
             self.stop(2)
 
     def on_welcome(self, raw: list, hb_ms: int) -> None:
         assignments = [wire.Assignment.from_wire(x) for x in raw]
+        if hb_ms > wire.MAX_HEARTBEAT_MS:
+            raise wire.ProtocolError(wire.MALFORMED, f"WELCOME.heartbeat_ms {wire.brief(hb_ms)} is above "
+                                     f"{wire.MAX_HEARTBEAT_MS}")
+        mine = set(self.vgpus)
+        foreign = sorted({a.vgpu for a in assignments} - mine)
+        if foreign:  # (a WELCOME for vGPUs it does not run was once adopted, its own left idle)
+            raise wire.ProtocolError(wire.MALFORMED, f"WELCOME assigns vGPU(s) {str(foreign)[:80]}, not "
+                                     f"among this executor's {format_ranges(self.vgpus)}")
         self.hb_ms = hb_ms or self.hb_ms
         key = [a.to_wire() for a in assignments]
         if self.loading:
@@ -789,11 +805,12 @@ class Executor:
             return None
         s = self.push_socks.get(ep)
         if s is None:
-            s = self.zctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.IMMEDIATE, 1)  # fail fast instead of queueing for a dead peer
-            s.setsockopt(zmq.SNDHWM, 10_000)
             try:
+                s = None
+                s = self.zctx.socket(zmq.PUSH)  # (past the context's socket limit this raises too)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.IMMEDIATE, 1)  # fail fast instead of queueing for a dead peer
+                s.setsockopt(zmq.SNDHWM, 10_000)
                 if self.cfg.security.curve:
                     key = self.cfg.security.vgpu_key(vgpu)
                     if key is None:
@@ -801,7 +818,8 @@ class Executor:
                     connect_as(s, self.cfg.security, key)
                 s.connect(ep)
             except zmq.ZMQError as e:
-                s.close(0)
+                if s is not None:
+                    s.close(0)
                 log.warning("peer-connect-failed", vgpu=vgpu, endpoint=ep, error=str(e))
                 return None
             self.push_socks[ep] = s
