@@ -323,6 +323,7 @@ SHARE_OVER = 1.02  # a capped model may dispatch this much more than its planned
 SHARE_SHORT = 0.97  # a model under pressure is short below this share of its planned rate
 SHARE_BURST = 0.5  # holds of planned arrivals a capped model's bucket holds
 ROOM_STEP = 0.01  # learning step of the room, as a share of the SLO
+SILENCE_GAPS = 8.0  # a held batch stops waiting after this many mean arrival gaps of silence (sched._quiet_left)
 ROOM_Q_BURST = 0.93  # the quantile of the burst room (X_M_ROOM_B); 0.95 until session 25
 OVERLOAD_RATE = 1.15  # PARD: a model is overloaded while arrivals run above this x its planned rate
 OVERLOAD_EARLY = 0.5  # share of a window after which its running count may show an overload

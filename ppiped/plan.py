@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .cluster import MAX_VGPUS, Cluster, ClusterError, cluster_from_json
+from .cluster import MAX_SPLIT, MAX_VGPUS, Cluster, ClusterError, cluster_from_json
 from .packing import pack_count
 from .profiles import Profile
 from .readfile import read_json
@@ -432,11 +432,11 @@ def _is_int(x: Any) -> bool:
 def _real(x: Any, key: str, where: str) -> float:
     """A JSON number as a float; a string such as ``"1500"`` is refused, not converted."""
     if not _is_real(x):
-        raise PlanError(f"{where}: field {key}: expected a number, got {x!r}")
+        raise PlanError(f"{where}: field {key}: expected a number, got {_quote(x)}")
     try:
         return float(x)
     except OverflowError:  # an integer past the float range
-        raise PlanError(f"{where}: field {key}: expected a finite number, got {x!r}") from None
+        raise PlanError(f"{where}: field {key}: expected a finite number, got {_quote(x)}") from None
 
 
 def _integer(x: Any, key: str, where: str) -> int:
@@ -444,7 +444,7 @@ def _integer(x: Any, key: str, where: str) -> int:
     if isinstance(x, float) and x.is_integer():
         return int(x)
     if not _is_int(x):
-        raise PlanError(f"{where}: field {key}: expected an integer, got {x!r}")
+        raise PlanError(f"{where}: field {key}: expected an integer, got {_quote(x)}")
     return int(x)
 
 
@@ -520,16 +520,30 @@ def _params_from_json(p: Any, source: str) -> PlanParams:
     return PlanParams(**p)
 
 
+def _quote(x: Any) -> str:
+    """``repr(x)``, at most 60 characters of it: a file's 5,000-digit number is not an error text."""
+    r = repr(x)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
 def _bad(where: str, key: str, want: str, got: Any) -> PlanError:
-    return PlanError(f"{where}: field {key}: expected {want}, got {got!r}")
+    return PlanError(f"{where}: field {key}: expected {want}, got {_quote(got)}")
+
+
+def _finite(x: Any) -> bool:
+    """A real number a float holds (an int of 400 digits raised OverflowError in isfinite)."""
+    try:
+        return _is_real(x) and math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _positive(x: Any) -> bool:
-    return _is_real(x) and math.isfinite(x) and x > 0
+    return _finite(x) and x > 0
 
 
 def _non_negative(x: Any) -> bool:
-    return _is_real(x) and math.isfinite(x) and x >= 0
+    return _finite(x) and x >= 0
 
 
 def validate_plan(plan: Plan) -> None:
@@ -701,6 +715,15 @@ def reference_plan_set(data: str | Path, plan_set: str = "maf21") -> Path:
     return p if p.is_dir() or len(p.parts) > 1 else Path(data) / "reference-plans" / plan_set
 
 
+def _mps_levels(n: int, where: str) -> list[int]:
+    """Splits 1..n of a reference file's ``num_mps_levels``, refused past MAX_SPLIT before the
+    list is built (a level of 10^9 took 17 GB to build)."""
+    if not 1 <= n <= MAX_SPLIT:
+        raise PlanError(f"{where}: num_mps_levels {str(n)[:20]}: expected 1 to {MAX_SPLIT} (MPS serves at most "
+                        f"{MAX_SPLIT} clients per GPU)")
+    return list(range(1, n + 1))
+
+
 def import_reference(path: str | Path, cluster: Cluster | None = None,
                      weights: list[float] | None = None) -> Plan:
     """Read a PPipe reference plan (a JSON list, one entry per model) as a :class:`Plan`.
@@ -756,7 +779,7 @@ def import_reference(path: str | Path, cluster: Cluster | None = None,
             "nic_gbps": num(cfg0, "bw_gbps", w0),
             "gpus": {
                 g: {"count": counts[g], "per_server": _integer(ps, "num_gpu_per_server_arr", w0),
-                    "splits": list(range(1, _integer(nm, "num_mps_levels", w0) + 1))}
+                    "splits": _mps_levels(_integer(nm, "num_mps_levels", w0), w0)}
                 for g, ps, nm in zip(names, per_server, levels, strict=True)
             },
         }, f"{path}: cluster")

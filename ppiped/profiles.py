@@ -154,8 +154,9 @@ def profile_from_json(d: Any, source: str = "<memory>") -> Profile:
             raise ProfileError(f"{source}: field block_latency_us.{gpu}: expected an object keyed by split")
         latency[gpu] = {}
         for sk, blocks in per_split.items():
-            where = f"{source}: field block_latency_us.{gpu}.{sk}"
-            if not (sk.isascii() and sk.isdigit()):  # int() would also take " 2 ", "+2", "1_0"
+            where = f"{source}: field block_latency_us.{gpu}.{sk[:20]}"
+            if not (sk.isascii() and sk.isdigit()) or len(sk) > 6:  # int() would also take " 2 ",
+                # "+2", "1_0", and refuse 5,000 digits with a ValueError
                 raise ProfileError(f"{where}: split key must be an integer like '1'")
             split = int(sk)
             if split < 1:

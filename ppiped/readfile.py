@@ -61,3 +61,5 @@ def _parse(path: Path, error: type[Exception], parse, decode_error: Any, kind: s
         raise error(f"{path}: not valid {kind}: {e}") from None
     except RecursionError:  # arrays nested thousands deep: no ppiped file is
         raise error(f"{path}: not valid {kind}: nested too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python converts (4,300)
+        raise error(f"{path}: not valid {kind}: {str(e)[:120]}") from None

@@ -186,6 +186,13 @@ def test_a_fanout_out_of_range_names_the_stage(fanout):
         two_stage(fanout=fanout)
 
 
+@pytest.mark.parametrize("slo_ms", [0.0, -5.0, float("nan"), float("inf"), 1e12])
+def test_an_slo_out_of_range_names_the_app(slo_ms):
+    """Up to an hour: a 10^12 ms SLO planned, and the simulator then ran its queries for ever."""
+    with pytest.raises(InputError, match=r"app 'q'.*slo must be a positive number of ms up to 3.6e\+06"):
+        two_stage(slo_ms=slo_ms)
+
+
 def test_an_app_naming_an_unknown_model():
     with pytest.raises(InputError, match=r"app 'q', stage 'second': no profile for model 'nope'"):
         split_apps(PROFILES, [two_stage(second="nope")], cluster(), PARAMS)

@@ -42,6 +42,9 @@ SIM_CASES = {
     "jitter-nan": (["--load-factor", "0.5", "--jitter", "nan"], "argument --jitter"),
     "jitter-huge": (["--load-factor", "0.5", "--jitter", "100"], "argument --jitter"),
     "cv-nan": (["--load-factor", "0.5", "--trace", "bursty", "--cv", "nan"], "argument --cv"),
+    "cv-tiny": (["--load-factor", "0.5", "--trace", "bursty", "--cv", "1e-300"], "argument --cv"),
+    # matplotlib refused the format only after the whole run
+    "plot-format": (["--load-factor", "0.5", "--plot", "{tmp}/t.xyz"], "a plot is written as .png"),
     "load-factor-nan": (["--load-factor", "nan"], "argument --load-factor"),
     "load-factor-inf": (["--load-factor", "inf"], "argument --load-factor"),
     "load-factor-1e9": (["--load-factor", "1e9"], "argument --load-factor"),
@@ -173,6 +176,9 @@ def test_documented_usage_still_runs(tmp_path: Path) -> None:
     (b"app,func,end_timestamp,duration\na,f,1.0,0.5\na,f,nan,0.1\n", ":3: end_timestamp/duration must be finite"),
     (b"\xff\xfeapp,func\n", "not UTF-8 text: byte 0xff at offset 0"),
     (b"app,func,start\na,f,1\n", "missing duration, end_timestamp"),
+    # an infinite period replayed nothing (a traceback) or, folded, 1 request for thousands
+    (b"app,func,end_timestamp,duration\na,f,5e-324,0\na,f,0,0\n", "the invocations span 4.94066e-324 s"),
+    (b"app,func,end_timestamp,duration\na,f,1e308,0\na,f,-1e308,0\n", "the invocations span inf s"),
 ])
 def test_bad_trace_files_are_named(tmp_path, body, fragment):
     """A trace file that is not UTF-8, lacks columns or holds a NaN time: one line naming it."""
@@ -227,3 +233,18 @@ def test_a_model_without_pipelines_is_refused(tmp_path, cmd):
     extra = ["--load-factor", "0.5"] if cmd is SIM else []
     p = ppiped([cmd[0], "--plan", str(bad), *cmd[3:], *extra], timeout=300)
     assert_refused(p, 2, "'example' has no pipelines")
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--max-rate", "0"], "argument --max-rate"),  # a division by zero after setting up
+    (["--min-slo-ms", "nan"], "argument --min-slo-ms"),
+    (["--duration", "nan"], "argument --duration"),
+    (["--duration", "1e9"], "argument --duration"),  # terabytes of arrivals
+    (["--seed", "-1"], "argument --seed"),
+    (["--processes", "0"], "argument --processes"),
+    (["--arrivals", "nosuch"], "argument --arrivals"),  # found only after seconds of work
+    (["--app", "--vgpus", "0"], "argument --vgpus"),
+    (["--app", "--slo-ms", "nan"], "argument --slo-ms"),
+])
+def test_demo_refuses_bad_flags_before_it_starts(argv, fragment):
+    assert_refused(ppiped(["demo", *argv], timeout=60), 2, fragment)

@@ -97,6 +97,10 @@ LOAD_ERRORS: dict[str, tuple[Callable[[dict], None], str]] = {
     "params-unknown-key": (_set("params", "slo_margn", value=0.4), "unknown field(s) 'slo_margn'"),
     "top-level-unknown-key": (_set("bogus", value=1), "unknown field(s) 'bogus'"),
     "partition-unknown-key": (_set(*Q, "num_vgpu", value=3), "partition 0: unknown field(s) 'num_vgpu'"),
+    # an int too large for a float raised OverflowError in the finiteness check
+    "delay-factor-400-digits": (_set("params", "batch_delay_factor", value=10**400),
+                                "params: field batch_delay_factor: expected a positive number, got 1000"),
+    "slo-scale-400-digits": (_set("params", "slo_scale", value=10**400), "params: field slo_scale"),
 }
 
 
@@ -143,6 +147,9 @@ LAYOUT_ERRORS: dict[str, tuple[Callable[[dict], None], str, str]] = {
                    "blocks-contiguous"),
     "split-unprofiled": (_set(*Q, "vgpu_split", value=7), "split 1/7 of P4 is not profiled", "split-not-allowed"),
     "gpu-unknown": (_set(*Q, "gpu", value="H100"), "GPU type 'H100' is not in the cluster", "unknown-gpu"),
+    # check called it batch-size-mixed; serving ran every hop at the pipeline's size
+    "partition-batch-size-mixed": (_set(*P, "partitions", 1, "batch_size", value=3),
+                                   "partition 1: batch size 3 differs from the pipeline's 5", "batch-size-mixed"),
     "gpu-count-zero": (_set("cluster", "gpus", "P4", "count", value=0),
                        "P4 vGPUs need at least 12 whole GPUs, the cluster has 0", "gpu-budget"),
     "vgpus-far-past-the-cluster": (_set(*Q, "num_vgpus", value=100_000),
@@ -230,7 +237,7 @@ def test_profile_split_keys_that_are_one_number_collide():
         profile_from_json(d, "example.json")
 
 
-@pytest.mark.parametrize("key", [" 2 ", "+2", "1_0"])
+@pytest.mark.parametrize("key", [" 2 ", "+2", "1_0", "9" * 5000])
 def test_profile_split_key_must_be_plain_digits(key):
     d = copy.deepcopy(PROFILE)
     d["block_latency_us"]["V100"][key] = d["block_latency_us"]["V100"].pop("2")
@@ -283,7 +290,22 @@ REF_ERRORS: dict[str, tuple[Callable[[list], None], str]] = {
     "gpu-not-in-name": (_set(0, "config", "gpu_name_arr", value=["V100", "T4"]),
                         "GPU type(s) 'T4' are not in the file name's cluster"),
     "not-an-object": (lambda d: d.__setitem__(0, 1), "[0]: a reference plan entry is a JSON object"),
+    # 10^9 levels built a list of a billion splits (17 GB) before the cluster refused it
+    "mps-levels-billion": (_set(0, "config", "num_mps_levels", value=[10**9, 1]),
+                           "num_mps_levels 1000000000: expected 1 to 48"),
 }
+
+
+def test_a_number_of_5000_digits_is_named_not_a_traceback(tmp_path, capsys):
+    """Python refuses to convert integers of more than 4,300 digits with a plain ValueError,
+    which escaped the JSON reader as a traceback."""
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps(BASE).replace('"max_partitions": 2', '"max_partitions": ' + "7" * 5000))
+    assert "7" * 5000 in f.read_text()
+    with pytest.raises(PlanError, match="not valid JSON: Exceeds the limit"):
+        load_plan(f)
+    assert cli(["check", str(f), "--profiles", str(EXAMPLE)]) == 2
+    assert "Traceback" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("case", list(REF_ERRORS))

@@ -412,18 +412,18 @@ def test_the_noise_guard_grows_with_the_time_booked_ahead_not_with_each_booking(
     assert guarded.decide(0.0).dispatches()[0].finish_us == pytest.approx(500.0)
 
 
-def _one_pool_case(nv=2, bs=2, lat=100.0, slo=1000.0, parts=1):
+def _one_pool_case(nv=2, bs=2, lat=100.0, slo=1000.0, parts=1, rate=None):
     prof = Profile("m", 2, {"A": {1: np.array([[lat / 2, lat], [lat / 2, lat]])}}, np.array([1000.0]),
                    {"A": lat})
     blocks = [(0, 2)] if parts == 1 else [(0, 1), (1, 2)]
     parts_ = [Partition(b, "A", 1, nv, 1.0, 0.0, 1.0, bs) for b in blocks]
     plan = Plan(Cluster({"A": GpuType("A", nv * parts, 1, (1,))}, 8.0), PlanParams(),
-                [ModelPlan("m", slo, 1.0, 1e6 * bs / lat, [Pipeline(bs, 1.0, 1.0, parts_)], 1.0)], 1.0)
+                [ModelPlan("m", slo, 1.0, rate or 1e6 * bs / lat, [Pipeline(bs, 1.0, 1.0, parts_)], 1.0)], 1.0)
     return plan, {"m": prof}
 
 
 def test_too_few_requests_wait_until_the_last_moment():
-    plan, profs = _one_pool_case(nv=1, bs=2)
+    plan, profs = _one_pool_case(nv=1, bs=2, rate=2000.0)  # a planned gap of 500 µs: company may come
     s = Scheduler(plan, profs, noise_z=0.0)  # the noise guard has a test of its own
     s.submit(1, 0, 0.0, 1000.0)
     a = s.decide(0.0)
@@ -437,6 +437,23 @@ def test_too_few_requests_wait_until_the_last_moment():
     (d,) = a.dispatches()
     assert d.request_ids == (1, 2) and d.finish_us == pytest.approx(10.0 + 200.0)
     assert a.wake_at == math.inf
+
+
+def test_a_held_batch_stops_waiting_through_a_silence():
+    """A burst, then silence: the mean gap learns only from arrivals, so it stays short; the
+    held partial batch goes once arrivals have been silent for SILENCE_GAPS planned gaps (20,000
+    rps planned: 50 µs each), not at its last moment (a 5 s SLO once held one for 4.98 s)."""
+    plan, profs = _one_pool_case(nv=2, bs=2, slo=100_000.0)
+    s = Scheduler(plan, profs, noise_z=0.0)
+    for rid in range(3):  # one message: gaps of 0
+        s.submit(rid, 0, 0.0, 100_000.0)
+    a = s.decide(0.0)
+    (first,) = a.dispatches()
+    assert len(first.request_ids) == 2
+    assert a.wake_at == pytest.approx(S.SILENCE_GAPS * 50.0)
+    a = s.decide(a.wake_at)
+    (rest,) = a.dispatches()
+    assert sorted(first.request_ids + rest.request_ids) == [0, 1, 2]
 
 
 def test_no_wait_when_no_more_requests_are_expected():

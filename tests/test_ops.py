@@ -85,6 +85,14 @@ BASE = {"plan": "p.json", "profiles": "profiles"}
     ({"threads": {"io_threads": 100_000}}, "threads.io_threads", "at most 64"),
     ({"executor": {"threads": 1_000_000}}, "executor.threads", "at most 1024"),
     ({"executor": {"emulate_load_ms": 9 * 10**18}}, "executor.emulate_load_ms", "at most 3600000"),
+    # "0" and "00": the second table silently replaced the first
+    ({"executors": {"0": {"threads": 2}, "00": {"threads": 3}}}, "executors.00", "vGPU 0 has a table already"),
+    # a 5,000-digit id raised out of int()
+    ({"executors": {"9" * 5000: {"threads": 2}}}, "executors.999", "keyed by vGPU id"),
+    # each worker is a Python process, all started up front
+    ({"glue": {"workers": 100_000}}, "glue.workers", "at most 256"),
+    # executors refuse a WELCOME asking for heartbeats further apart
+    ({"heartbeat": {"interval_ms": 120_000, "timeout_ms": 300_000}}, "heartbeat.interval_ms", "at most 60000"),
 ])
 def test_config_errors_name_key_and_problem(extra, key, problem):
     with pytest.raises(ConfigError) as e:

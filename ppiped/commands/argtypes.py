@@ -130,9 +130,9 @@ SEED = integer(0, 2**63 - 1, "a non-negative integer below 2**63")
 DURATION = number(0, 86_400, lo_open=True)
 """Simulated seconds of arrivals: a day at most (the clock, GC ticks and reports are per µs)."""
 
-CV = number(0, 20, lo_open=True)
-"""Bursty arrivals: cv > 0 (NaN never draws a gap that ends the trace); beyond 20 the gamma
-shape underflows into a few giant bursts."""
+CV = number(0.01, 20)
+"""Bursty arrivals: cv in [0.01, 20] (NaN never draws a gap that ends the trace; at 1e-300 the
+gamma shape 1/cv^2 overflowed; beyond 20 it underflows into a few giant bursts)."""
 
 JITTER = number(0, 2)
 """Lognormal sigma of executor latency: 2 already makes one batch in 20 take ~27 x its profile;
@@ -210,6 +210,17 @@ def existing_file(s: str) -> str:
     if not p.is_file():
         raise argparse.ArgumentTypeError(f"{s}: not a file")
     return s
+
+
+PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def plot_file(s: str) -> str:
+    """An :func:`output_file` whose extension is an image format the plots can write (checked
+    first: an unknown one failed in matplotlib after the whole run)."""
+    if Path(s).suffix.lower() not in PLOT_FORMATS:
+        raise argparse.ArgumentTypeError(f"{s}: a plot is written as {', '.join(PLOT_FORMATS)}")
+    return output_file(s)
 
 
 def output_file(s: str) -> str:

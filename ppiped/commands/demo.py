@@ -59,8 +59,11 @@ from ..daemon.launch import (
 from ..errors import InputError
 from ..plan import Plan, load_plan, save_plan
 from ..profiles import Profile, load_profiles, save_profile
+from .argtypes import LOAD_FACTOR, POSITIVE_INT, SEED, integer, number
 
 ROOT = Path(__file__).resolve().parents[2]
+# Seconds a demo may offer load for: it runs real processes on this host.
+DEMO_SECONDS = number(0, 3600, lo_open=True)
 EXAMPLE_DIR = ROOT / "plans" / "example"
 
 
@@ -70,16 +73,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", help="plan to serve (default: the embedded example)")
     p.add_argument("--profiles", help="profiles of the plan's models (needed with --plan)")
     p.add_argument("--cluster", help="cluster spec to plan the example on (default: a small V100+P4 cluster)")
-    p.add_argument("--load-factor", type=float, default=None,
+    p.add_argument("--load-factor", type=LOAD_FACTOR, default=None,
                    help="offered load / planned throughput (default 0.8; with --app 0.3)")
-    p.add_argument("--duration", type=float, default=15.0, help="seconds of load")
-    p.add_argument("--arrivals", default="poisson", help="poisson or bursty")
-    p.add_argument("--processes", type=int, default=2, help="executor processes hosting the vGPUs")
+    p.add_argument("--duration", type=DEMO_SECONDS, default=15.0, help="seconds of load (at most an hour)")
+    p.add_argument("--arrivals", default="poisson", choices=("poisson", "bursty"), help="poisson or bursty")
+    p.add_argument("--processes", type=integer(1, 64), default=2, help="executor processes hosting the vGPUs")
     p.add_argument("--time-scale", default="auto", help="run the cluster K times slower (auto or a number)")
-    p.add_argument("--min-slo-ms", type=float, default=60.0, help="auto time scale: tightest SLO after scaling")
-    p.add_argument("--max-rate", type=float, default=800.0,
+    p.add_argument("--min-slo-ms", type=number(0, 3.6e6, lo_open=True), default=60.0, help="auto time scale: tightest SLO after scaling")
+    p.add_argument("--max-rate", type=number(0, 1e6, lo_open=True), default=800.0,
                    help="auto time scale: most requests/s offered in all (what this host emulates comfortably)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="let the scheduler's event loop share every CPU (default: one to itself, with "
                         "two or more)")
@@ -92,9 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="serve the example app instead of the emulated example plan; queries at "
                         "--load-factor x the planned query rate for --duration s (no CPU "
                         "pinning: the ORT vGPUs need the cores)")
-    a.add_argument("--vgpus", type=int, help="--app: CPU vGPUs to plan on, at most the CPUs (default: "
+    a.add_argument("--vgpus", type=POSITIVE_INT, help="--app: CPU vGPUs to plan on, at most the CPUs (default: "
                                              "min(2, CPUs))")
-    a.add_argument("--slo-ms", type=float, help="--app: the app's end-to-end SLO on CPU (default 300)")
+    a.add_argument("--slo-ms", type=number(0, 3.6e6, lo_open=True), help="--app: the app's end-to-end SLO on CPU (default 300)")
     p.set_defaults(func=run)
 
 

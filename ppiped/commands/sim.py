@@ -21,7 +21,7 @@ from .argtypes import (
     check_request_count,
     existing_file,
     number,
-    output_file,
+    plot_file,
     trace_kind,
 )
 
@@ -84,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the result as one JSON object (goodput_rps and utilization count the requests "
                         "that arrived within --duration, the drain after it included)")
-    p.add_argument("--plot", metavar="FILE", type=output_file, help="write a per-vGPU timeline of batches (PNG)")
+    p.add_argument("--plot", metavar="FILE", type=plot_file, help="write a per-vGPU timeline of batches (PNG)")
     p.add_argument("--plot-window", type=number(0), nargs=2, metavar=("FROM_MS", "TO_MS"),
                    help="timeline window in simulated ms (default: 200 ms from the middle of the run)")
     p.set_defaults(func=run)

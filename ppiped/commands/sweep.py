@@ -10,7 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from ..errors import InputError
-from .argtypes import JOBS, LOAD_FACTOR, check_request_count, number, output_file
+from .argtypes import JOBS, LOAD_FACTOR, check_request_count, number, plot_file
 from .sim import _finite, add_world_args, options_from
 
 MAX_COARSE_POINTS = 10_000
@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=JOBS, default=1, help="worker processes, at most 256 (2: both cores)")
     p.add_argument("--json", action="store_true", help="one JSON line per plan (points: [load factor, attainment] of the runs that ran "
                         "to the end; stopped_early: load factors whose runs stopped once below --target)")
-    p.add_argument("--plot", metavar="FILE", type=output_file,
+    p.add_argument("--plot", metavar="FILE", type=plot_file,
                    help="attainment vs load factor per plan (PNG, PPipe Figure 7); runs every point to the end")
     p.set_defaults(func=run)
 

@@ -312,6 +312,8 @@ def _check_against_profiles(plan: Plan, profiles: dict[str, Profile]) -> None:
                                       f"1/{q.vgpu_split} (profiled: 1-{prof.max_batch(q.gpu, q.vgpu_split)})")
                 if q.num_vgpus < 1:
                     raise LayoutError(f"{w}: num_vgpus must be at least 1, got {q.num_vgpus}")
+                if q.batch_size != bs:  # (check's batch-size-mixed; serving ran every hop at the pipeline's)
+                    raise LayoutError(f"{w}: batch size {q.batch_size} differs from the pipeline's {bs}")
             if nxt != prof.num_blocks:
                 raise LayoutError(f"{plan.source}: model {m.model}, pipeline {pi}: partitions end at block {nxt}, "
                                   f"the model has {prof.num_blocks}")

@@ -353,7 +353,10 @@ class RefScheduler:
                         (self._hi(h[0]) - self.margin[h[0]][0]) * h[5] for h in hn)
                     slack = dh - fn - 2.0 * extra - self.guard
                     if slack >= self.min_wait and slack >= self.gap[m] and self._worth_waiting(m, p, n, chosen):
-                        return now + slack
+                        # not through a silence of SILENCE_GAPS mean gaps (see kernels' _quiet_left)
+                        quiet = S.SILENCE_GAPS * max(self.gap[m], self.pgap[m]) - (now - self.last[m])
+                        if quiet > 0.0:
+                            return now + min(slack, max(quiet, self.min_wait))
                     hops = hn
             # the dispatch's expected end is its last booked hop's (the noise guard is only checked)
             d = RefDispatch(m, p, 0, [h[0] for h in hops], True, [], hops[-1][3] + hops[-1][4])

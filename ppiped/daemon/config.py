@@ -282,6 +282,7 @@ class _Table:
 # Upper bounds on sizes a config may ask for: beyond them a typo, not a deployment.
 MAX_EXECUTOR_THREADS = 1024
 MAX_IO_THREADS = 64
+MAX_GLUE_WORKERS = 256  # [glue] workers: Python processes of about 32 MB each
 MAX_EMULATE_LOAD_MS = 3_600_000
 MAX_EMULATE_JITTER = 2.0  # as the simulator's --jitter: e^(2 x 4) ~ 3000x the profile already
 
@@ -392,6 +393,8 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
     cfg.app_deadlines = mode
     glue = top.sub("glue")
     cfg.glue_workers = glue.get("workers", cfg.glue_workers, "int+")
+    if cfg.glue_workers > MAX_GLUE_WORKERS:  # (each is a Python process, all started up front)
+        raise ConfigError(f"{src}: {glue.key('workers')}: at most {MAX_GLUE_WORKERS}, got {cfg.glue_workers}")
     cfg.glue_timeout_ms = glue.get("timeout_ms", cfg.glue_timeout_ms, "num+")
     cfg.glue_max_children = glue.get("max_children", cfg.glue_max_children, "int+")
     glue.done()
@@ -408,9 +411,11 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
     cfg.executor_defaults = _executor_settings(top.sub("executor"), ExecutorSettings(), cfg.allow_remote, base)
     per = top.sub("executors")
     for k in list(per.d):
-        if not re.fullmatch(r"\d+", str(k)):
-            raise ConfigError(f"{src}: executors.{k}: tables under [executors] are keyed by vGPU id "
+        if not re.fullmatch(r"\d{1,9}", str(k)):
+            raise ConfigError(f"{src}: executors.{str(k)[:40]}: tables under [executors] are keyed by vGPU id "
                               "(an integer), e.g. [executors.3]")
+        if int(k) in cfg.executors:  # "0" and "00": the second silently replaced the first
+            raise ConfigError(f"{src}: executors.{k}: vGPU {int(k)} has a table already")
         cfg.executors[int(k)] = _executor_settings(per.sub(k), cfg.executor_defaults, cfg.allow_remote, base)
     per.done()
     cfg.security = _security(top.sub("security"), cfg, base)

@@ -36,6 +36,7 @@ _NAME = re.compile(r"[A-Za-z0-9_][\w.\-]*")
 
 # Most inputs one parent request may yield on average (a detector's crops: thousands at most).
 MAX_FANOUT = 10_000.0
+MAX_APP_SLO_US = 3.6e9  # an hour: a video query's deadline is seconds
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,10 @@ class App:
         w = f"app {self.name!r}"
         if not _NAME.fullmatch(self.name):
             raise InputError(f"{w}: a name is letters, digits, '_', '-' and '.'")
-        if not (self.slo_us > 0 and math.isfinite(self.slo_us)):
-            raise InputError(f"{w}: slo must be a positive number of ms, got {self.slo_us / 1e3}")
+        if not (0 < self.slo_us <= MAX_APP_SLO_US):
+            # (a 10^12 ms SLO planned, and the simulator then ran its queries for ever)
+            raise InputError(f"{w}: slo must be a positive number of ms up to {MAX_APP_SLO_US / 1e3:g}, "
+                             f"got {self.slo_us / 1e3:.6g}")
         if not (self.weight > 0 and math.isfinite(self.weight)):
             raise InputError(f"{w}: weight must be positive, got {self.weight}")
         if not (self.glue_us >= 0 and math.isfinite(self.glue_us)):

@@ -121,6 +121,14 @@ def azure_functions(path: str | Path, rate_rps: float, duration_s: float,
         raise InputError(f"{path}: not a readable CSV trace: {e}") from None
     if len(starts) < 2:
         raise InputError(f"{path}: trace has fewer than 2 invocations")
+    span = float(np.max(starts)) - float(np.min(starts))
+    if span == 0:
+        raise InputError(f"{path}: all invocations arrive at the same instant")
+    if not 1e-6 <= span < math.inf:
+        # (a span of 5e-324 s made the period infinite and one of 2e308 NaN; folded, either
+        # replayed as 1 request)
+        raise InputError(f"{path}: the invocations span {span:g} s: a trace must span from a microsecond "
+                         "up to a finite time")
     if scale == "fold":
         return _fold(np.asarray(starts, dtype=np.float64), rate_rps, duration_s, path)
     t = np.sort(np.asarray(starts))
