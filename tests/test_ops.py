@@ -91,6 +91,9 @@ BASE = {"plan": "p.json", "profiles": "profiles"}
     ({"executors": {"9" * 5000: {"threads": 2}}}, "executors.999", "keyed by vGPU id"),
     # each worker is a Python process, all started up front
     ({"glue": {"workers": 100_000}}, "glue.workers", "at most 256"),
+    # the daemon said "another ppiped listens" on its own endpoint
+    ({"endpoints": {"ctl": "ipc:///tmp/x/a.sock"}, "ctl": {"socket": "/tmp/x/a.sock"}}, "ctl.socket",
+     "is also endpoints.ctl"),
     # executors refuse a WELCOME asking for heartbeats further apart
     ({"heartbeat": {"interval_ms": 120_000, "timeout_ms": 300_000}}, "heartbeat.interval_ms", "at most 60000"),
 ])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 import sys
 import time
@@ -376,7 +377,11 @@ class AppRig:
         """Move the clock (by default to when the core asked to be woken) and let the core
         dispatch: the DISPATCH headers and frames sent."""
         self.t = int(self.srv.wake_at) + 1 if until_us is None else until_us
-        self.srv.decide(self.t)
+        srv = self.srv
+        if srv.wake_entry is not None and srv.wake_at < self.t:  # its timer has fired (no loop runs
+            srv.timers.cancel(srv.wake_entry)  # here: the daemon's _on_wake clears it so)
+            srv.wake_entry, srv.wake_at = None, math.inf
+        srv.decide(self.t)
         return [(wire.decode(m[0]), m[1:]) for m in self.drain(self.ex)]
 
     def to_server(self, header: bytes, frames: list = ()) -> None:

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 from conftest import MODELS_DIR, reference_plans
+from ppiped.kernels import state as S
 
 from ppiped.cli import main
 from ppiped.cluster import Cluster, GpuType
@@ -23,7 +24,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def tiny(nv: int = 1, bs: int = 1, parts: int = 1, slo: float = 1000.0, per_server: int = 1,
-         nic_gbps: float = 8.0, bytes_: float = 10_000.0) -> tuple[Plan, dict[str, Profile]]:
+         nic_gbps: float = 8.0, bytes_: float = 10_000.0, rate: float = 10_000.0) -> tuple[Plan, dict[str, Profile]]:
     """One model of two blocks (50 µs each at bs 1, 75 at bs 2) on ``parts`` pools of ``nv`` vGPUs.
 
     The boundary carries ``bytes_`` per request: 10 kB at 8 Gb/s is 10 µs per request.
@@ -33,7 +34,7 @@ def tiny(nv: int = 1, bs: int = 1, parts: int = 1, slo: float = 1000.0, per_serv
     blocks = [(0, 2)] if parts == 1 else [(0, 1), (1, 2)]
     ps = [Partition(b, "A", 1, nv, 1.0, 0.0, 1.0, bs) for b in blocks]
     plan = Plan(Cluster({"A": GpuType("A", nv * parts, per_server, (1,))}, nic_gbps), PlanParams(),
-                [ModelPlan("m", slo, 1.0, 10_000.0, [Pipeline(bs, 1.0, 1.0, ps)], 1.0)], 1.0)
+                [ModelPlan("m", slo, 1.0, rate, [Pipeline(bs, 1.0, 1.0, ps)], 1.0)], 1.0)
     return plan, {"m": prof}
 
 
@@ -79,13 +80,18 @@ def test_deadline_drop_exact():
 def test_batching_waits_then_fills():
     """bs 2 (150 µs), planned for 10,000 req/s: the first request waits; the second fills the
     batch at t=10 -> both end at 160. A lone request waits until the last moment that leaves its
-    path room for noise."""
+    path room for noise, or until arrivals have been silent for SILENCE_GAPS planned gaps."""
     plan, profs = tiny(bs=2)
     _, sim = run(plan, profs, [0.0, 10.0])
     assert latencies(sim) == [160.0, 150.0]
     res, sim = run(plan, profs, [0.0], duration_s=0.002)
-    # twice the room its path would need at the high-quantile margin: the 1.25 prior (no
-    # reports yet) over the low margin, 1.0 (no noise guard yet: nothing learned)
+    # 10,000 req/s planned: a gap of 100 µs, silence for 8 of them, then its 100 µs path
+    assert latencies(sim) == [S.SILENCE_GAPS * 100.0 + 100.0]
+    assert res.models[0].served == 1 and res.models[0].late == 0
+    res, sim = run(*tiny(bs=2, rate=2_000.0), [0.0], duration_s=0.002)
+    # 2,000 req/s planned: company may still come at the last moment, which is twice the room
+    # its path would need at the high-quantile margin (the 1.25 prior, no reports yet) over the
+    # low margin (1.0; no noise guard yet: nothing learned)
     assert latencies(sim) == [1000.0 - 2 * 0.25 * 100.0]
     assert res.models[0].served == 1 and res.models[0].late == 0
 

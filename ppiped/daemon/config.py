@@ -518,6 +518,10 @@ def _ops_tables(top: _Table, cfg: ServeConfig, base: Path) -> None:
         sock = str(p if p.is_absolute() else base / p)
         if len(sock) > 100:
             raise ConfigError(f"{src}: ctl.socket: path longer than 100 characters (unix socket limit)")
+        for k in ("client", "executor", "ctl"):  # (the daemon then said another ppiped listened there)
+            e = getattr(cfg, k)
+            if e.startswith("ipc://") and os.path.normpath(os.path.abspath(e[6:])) == os.path.normpath(sock):
+                raise ConfigError(f"{src}: ctl.socket: {sock} is also endpoints.{k}; each needs its own path")
     cfg.ctl_socket = sock
     mode = ctl.get("mode", "0660", "str")
     if not re.fullmatch(r"0?[0-7]{3}", mode) or int(mode, 8) & 0o600 != 0o600:
