@@ -12,7 +12,7 @@ import math
 import numbers
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -184,6 +184,18 @@ def model_slo_us(profile: Profile, params: PlanParams) -> float | None:
         return None
     ref = profile.whole_model_latency_us.get(params.slo_reference_gpu)
     return None if ref is None else params.slo_scale * ref
+
+
+def slo_not_judged(plan: Plan, profiles: Mapping[str, Profile]) -> list[str]:
+    """The models whose SLO rule :func:`check` cannot judge: the plan derives SLOs from a
+    reference GPU their profile has no whole-model latency for. ``ppiped check`` names them
+    beside its verdict (it used to print "ok" without a word)."""
+    pr = plan.params
+    if pr.slo_scale is None or pr.slo_reference_gpu is None:
+        return []
+    staged = {s.model for a in plan.apps for s in a.stages}
+    return [m.model for m in plan.models if m.model in profiles and m.model not in staged
+            and model_slo_us(profiles[m.model], pr) is None]
 
 
 def gpus_used(pools: Iterable[tuple[str, int, str, int, int]], share_gpus: bool = False) -> dict[str, dict]:

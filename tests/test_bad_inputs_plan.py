@@ -340,3 +340,17 @@ def test_every_tool_finds_a_profile_by_one_rule(tmp_path, capsys):
                  "--load-factor", "0.5"]):
         assert cli(cmd) == 2
         assert "holds the profile of 'other'" in capsys.readouterr().err
+
+
+def test_check_names_the_models_whose_slo_it_cannot_judge(tmp_path, capsys):
+    """An SLO reference GPU the profiles lack: the SLO rule cannot be applied, and check says so
+    beside its verdict (it printed a bare "ok")."""
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps(_mutated(_set("params", "slo_reference_gpu", value="XYZ"))))
+    assert cli(["check", str(f), "--profiles", str(EXAMPLE)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ok ") and "note: SLOs not judged for example" in out and "GPU XYZ" in out
+    assert cli(["check", str(f), "--profiles", str(EXAMPLE), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["slo_not_judged"] == ["example"]
+    assert cli(["check", str(EXAMPLE / "plan.json"), "--profiles", str(EXAMPLE), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["slo_not_judged"] == []

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from ..cluster import load_cluster
-from ..plan import check, load_plan
+from ..plan import check, load_plan, slo_not_judged
 from ..profiles import load_profiles
 
 
@@ -31,16 +31,21 @@ def run(args: argparse.Namespace) -> int:
             profiles.update(load_profiles(args.profiles, wanted))
         violations = check(plan, profiles, cluster)
         bad += bool(violations)
+        unjudged = slo_not_judged(plan, profiles)
         if args.json:
             print(json.dumps({"plan": path, "ok": not violations,
                               "objective": plan.normalized_throughput,
-                              "violations": [str(v) for v in violations]}))
-        elif violations:
-            print(f"FAIL {path}")
-            for v in violations:
-                print(f"  {v}")
+                              "violations": [str(v) for v in violations], "slo_not_judged": unjudged}))
         else:
-            print(f"ok   {path} (objective {plan.normalized_throughput:.2f})")
+            if violations:
+                print(f"FAIL {path}")
+                for v in violations:
+                    print(f"  {v}")
+            else:
+                print(f"ok   {path} (objective {plan.normalized_throughput:.2f})")
+            if unjudged:
+                print(f"  note: SLOs not judged for {', '.join(unjudged)}: no whole-model latency on the "
+                      f"SLO reference GPU {plan.params.slo_reference_gpu} in their profiles")
     if not args.json and len(args.plans) > 1:
         print(f"{len(args.plans) - bad}/{len(args.plans)} plans pass")
     return 1 if bad else 0
