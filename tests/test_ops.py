@@ -410,6 +410,12 @@ def test_replan_dry_run_refuses_what_the_switch_would(ops):
             for kw in ({"dry_run": True}, {"wait": True})]
     assert [o["ok"] for o in outs] == [False, False], outs
     assert outs[0]["error"] == outs[1]["error"]
+    # an SLO past limits.max_slo_ms, refused at start, was taken on replan (1e308 µs once)
+    bad = json.loads((ops.dir / "good.json").read_text())
+    bad["models"][0]["slo_us"] = 1e12
+    (ops.dir / "slo-past-limit.json").write_text(json.dumps(bad))
+    out = ctl.call(ops.sock, {"cmd": "replan", "plan_file": str(ops.dir / "slo-past-limit.json"), "dry_run": True})
+    assert not out["ok"] and "over limits.max_slo_ms" in out["error"], out
 
 
 def test_replan_plan_file_refuses_an_unplaceable_plan_before_it_says_started(ops):

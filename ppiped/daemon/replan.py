@@ -289,11 +289,25 @@ def placeable(srv: Server, plan: Plan) -> None:
     profiles = {**srv.profiles, **_new_profiles(srv, plan)}
     Layout.from_plan(plan, profiles)
     refuse_for_serving(plan, profiles)
+    _slos_within_limit(srv, plan)
+
+
+def _slos_within_limit(srv: Server, plan: Plan) -> None:
+    """As at start: a model's SLO (the config's override, else the plan's) past
+    ``limits.max_slo_ms`` would have its own requests refused (a plan's 1e308 µs was taken)."""
+    cfg = srv.cfg
+    for m in plan.models:
+        ms = cfg.models.get(m.model)
+        slo = ms.slo_ms if ms and ms.slo_ms else m.slo_us / 1000
+        if slo > cfg.max_slo_ms:
+            raise InputError(f"the new plan's SLO of {m.model} ({slo:.6g} ms) is over limits.max_slo_ms "
+                             f"({cfg.max_slo_ms:g})")
 
 
 def _new_core(srv: Server, plan: Plan) -> Scheduler:
     srv.profiles.update(_new_profiles(srv, plan))
     refuse_for_serving(plan, srv.profiles)
+    _slos_within_limit(srv, plan)
     core = Scheduler(plan, srv.profiles, policy=srv.policy_name, **srv.core_kw)
     for v in range(core.layout.num_vgpus):
         core.remove_vgpu(v)
