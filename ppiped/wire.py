@@ -640,10 +640,12 @@ class Assignment:
         v, model, pipe, part, start, end, gpu, split, server, last, lat, trans = x
         if not (_uint(v) and _str(model) and _uint(pipe) and _uint(part) and _uint(start) and _uint(end)
                 and start < end and _str(gpu) and _uint(split) and _uint(server) and type(last) is bool
-                and _list(lat) and _list(trans) and lat
-                and all(type(t) in (int, float) and 0 <= t <= MAX_ASSIGNED_US for t in lat + trans)):
-            # (an infinite or NaN latency wedged the vGPU's worker; 1e300 made it sleep for ever)
+                and _list(lat) and _list(trans) and lat):
             raise ProtocolError(MALFORMED, f"WELCOME.assignments: bad entry {brief(x)}")
+        bad = [t for t in lat + trans if not (type(t) in (int, float) and 0 <= t <= MAX_ASSIGNED_US)]
+        if bad:  # (an infinite or NaN latency wedged the vGPU's worker; 1e300 made it sleep for ever)
+            raise ProtocolError(MALFORMED, f"WELCOME.assignments: vGPU {v}: latency {brief(bad[0])} is not a "
+                                f"number of µs in [0, {MAX_ASSIGNED_US:g}]")
         return cls(v, model, pipe, part, start, end, gpu, split, server, last,
                    [float(t) for t in lat], [float(t) for t in trans])
 

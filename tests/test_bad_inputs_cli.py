@@ -245,6 +245,7 @@ def test_a_model_without_pipelines_is_refused(tmp_path, cmd):
     (["--arrivals", "nosuch"], "argument --arrivals"),  # found only after seconds of work
     (["--app", "--vgpus", "0"], "argument --vgpus"),
     (["--app", "--slo-ms", "nan"], "argument --slo-ms"),
+    (["--time-scale", "inf"], "argument --time-scale: expected 'auto' or a finite number"),
 ])
 def test_demo_refuses_bad_flags_before_it_starts(argv, fragment):
     assert_refused(ppiped(["demo", *argv], timeout=60), 2, fragment)

@@ -91,6 +91,7 @@ BASE = {"plan": "p.json", "profiles": "profiles"}
     ({"executors": {"9" * 5000: {"threads": 2}}}, "executors.999", "keyed by vGPU id"),
     # each worker is a Python process, all started up front
     ({"glue": {"workers": 100_000}}, "glue.workers", "at most 256"),
+    ({"glue": {"max_children": 9 * 10**18}}, "glue.max_children", "at most 1000000"),
     # the daemon said "another ppiped listens" on its own endpoint
     ({"endpoints": {"ctl": "ipc:///tmp/x/a.sock"}, "ctl": {"socket": "/tmp/x/a.sock"}}, "ctl.socket",
      "is also endpoints.ctl"),

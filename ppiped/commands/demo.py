@@ -78,7 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=DEMO_SECONDS, default=15.0, help="seconds of load (at most an hour)")
     p.add_argument("--arrivals", default="poisson", choices=("poisson", "bursty"), help="poisson or bursty")
     p.add_argument("--processes", type=integer(1, 64), default=2, help="executor processes hosting the vGPUs")
-    p.add_argument("--time-scale", default="auto", help="run the cluster K times slower (auto or a number)")
+    p.add_argument("--time-scale", type=_time_scale_arg, default="auto",
+                   help="run the cluster K times slower (auto or a number up to 10^6)")
     p.add_argument("--min-slo-ms", type=number(0, 3.6e6, lo_open=True), default=60.0, help="auto time scale: tightest SLO after scaling")
     p.add_argument("--max-rate", type=number(0, 1e6, lo_open=True), default=800.0,
                    help="auto time scale: most requests/s offered in all (what this host emulates comfortably)")
@@ -221,6 +222,17 @@ def real_inference(plan: Plan, work: Path) -> dict[str, Any]:
 
 
 # --- time scale --------------------------------------------------------------------------
+
+
+def _time_scale_arg(s: str) -> str:
+    """``auto`` or a finite factor in (0, 10^6], checked before anything starts (inf was taken,
+    and five seconds later the scaled plan's NIC speed of 0 was named instead)."""
+    if s != "auto":
+        try:
+            number(0, 1e6, lo_open=True)(s)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"expected 'auto' or {str(e).removeprefix('expected ')}") from None
+    return s
 
 
 def pick_time_scale(plan: Plan | None, value: str, min_slo_ms: float, offered_rps: float = 0.0,

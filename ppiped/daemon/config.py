@@ -283,6 +283,7 @@ class _Table:
 MAX_EXECUTOR_THREADS = 1024
 MAX_IO_THREADS = 64
 MAX_GLUE_WORKERS = 256  # [glue] workers: Python processes of about 32 MB each
+MAX_GLUE_CHILDREN = 1_000_000  # [glue] max_children: child requests one glue call may yield
 MAX_EMULATE_LOAD_MS = 3_600_000
 MAX_EMULATE_JITTER = 2.0  # as the simulator's --jitter: e^(2 x 4) ~ 3000x the profile already
 
@@ -397,6 +398,9 @@ def config_from_dict(d: Any, source: str | Path = "<memory>") -> ServeConfig:
         raise ConfigError(f"{src}: {glue.key('workers')}: at most {MAX_GLUE_WORKERS}, got {cfg.glue_workers}")
     cfg.glue_timeout_ms = glue.get("timeout_ms", cfg.glue_timeout_ms, "num+")
     cfg.glue_max_children = glue.get("max_children", cfg.glue_max_children, "int+")
+    if cfg.glue_max_children > MAX_GLUE_CHILDREN:
+        raise ConfigError(f"{src}: {glue.key('max_children')}: at most {MAX_GLUE_CHILDREN}, got "
+                          f"{str(cfg.glue_max_children)[:20]}")
     glue.done()
     models = top.sub("models")
     for name in list(models.d):

@@ -1379,7 +1379,8 @@ class Server:
         if len(endpoint) > MAX_ENDPOINT_CHARS or len(backend) > MAX_BACKEND_CHARS:
             # (both are kept, logged and shown: 900 kB backends wrote megabytes of log)
             self.counters["register_refused"] += 1
-            self.warn_limited("register-refused", vgpus=format_ranges(vgpus), pid=pid, error="oversized fields")
+            self.warn_limited("register-refused", vgpus=format_ranges(vgpus), pid=pid,
+                              error=f"data_endpoint of {len(endpoint)} and backend of {len(backend)} characters")
             self._send_exec(ident, wire.error(wire.MALFORMED, f"REGISTER: data_endpoint of {len(endpoint)} and "
                                               f"backend of {len(backend)} characters (at most "
                                               f"{MAX_ENDPOINT_CHARS} and {MAX_BACKEND_CHARS})"))
