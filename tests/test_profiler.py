@@ -668,3 +668,59 @@ def test_an_output_that_barely_moves_is_judged_against_its_magnitude():
     assert range_relative_error(whole + 0.01, whole) > 1e-2
     logits = 100.0 + np.linspace(-1.0, 1.0, 10)[None, :]
     assert range_relative_error(logits + 0.3, logits) > 1e-2
+
+
+def _with_external_weights(tmp: Path, name: str = "ext.onnx") -> Path:
+    """The tiny example CNN with its weights saved beside it in ``w.bin``."""
+    m = build_tiny_model()
+    path = tmp / name
+    onnx.save_model(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="w.bin", size_threshold=0)
+    return path
+
+
+PROFILE_ARGS = ["--backend", "estimate", "--gpu", "V100", "--blocks", "3", "--batch-sizes", "1-2", "-q"]
+
+
+def test_external_data_is_read_only_from_the_models_folder(tmp_path, capsys):
+    """onnx 1.15 (which the dependency range admits) followed a symlink in the model's folder to
+    any file and read it as a weight; ppiped now resolves every location itself first."""
+    a = tmp_path / "a"
+    a.mkdir()
+    path = _with_external_weights(a)
+    assert main(["profile", str(path), *PROFILE_ARGS, "-o", str(tmp_path / "ok")]) == 0
+    secret = tmp_path / "secret.bin"
+    (a / "w.bin").rename(secret)
+    (a / "w.bin").symlink_to(secret)
+    assert main(["profile", str(path), *PROFILE_ARGS, "-o", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "keeps its data in 'w.bin', which is not a file in the model's folder" in err and "Traceback" not in err
+
+
+def test_external_data_past_2_gib_is_refused_before_it_is_read(tmp_path, capsys):
+    """A 225-byte model naming an 8 GB sparse file took 16 GB of memory, then crashed in onnx."""
+    path = _with_external_weights(tmp_path)
+    m = onnx.load(str(path), load_external_data=False)
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.truncate(3 << 30)  # sparse: no disk, no memory
+    t = m.graph.initializer[0]
+    del t.external_data[:]
+    for k, v in (("location", "big.bin"), ("offset", "0"), ("length", str(3 << 30))):
+        t.external_data.add(key=k, value=v)
+    onnx.save(m, str(path))
+    assert main(["profile", str(path), *PROFILE_ARGS, "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "external data of 3.0 GiB or more" in err and "less than 2 GiB" in err
+
+
+def test_a_broken_graph_is_named_by_its_file(tmp_path, capsys):
+    """ORT's reasons said "the model"; the error line names the file."""
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"]),
+                           helper.make_node("Add", ["y", "ghost"], ["z"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", 4])])
+    path = tmp_path / "dangling.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    assert main(["profile", str(path), *PROFILE_ARGS, "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"ppiped profile: error: {path}: ")

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..errors import InputError
 from ..profiler.backends import BACKENDS, Timing
 from ..profiler.graph import DEFAULT_MAX_CUT_TENSORS, parse_shape
 from ..profiler.partition import max_deviation
@@ -84,7 +85,14 @@ def run(args: argparse.Namespace) -> int:
         calibration=args.calibration,
     )
     t0 = time.perf_counter()
-    prof, path = profile_model(req)
+    try:
+        prof, path = profile_model(req)
+    except InputError as e:  # name the model file where the reason does not (ORT's and onnx's
+        # reasons said "the model", a node or an input)
+        msg = str(e)
+        if str(args.model) in msg or Path(args.model).name in msg:
+            raise
+        raise InputError(f"{args.model}: {msg}") from None
     print(summary(prof, req.gpu or ""))
     print(f"wrote {path} and {path.with_suffix('')}/ in {time.perf_counter() - t0:.1f} s")
     return 0

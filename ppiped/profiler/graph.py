@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,9 @@ ELEMENTWISE = {
 FEATURE_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}
 # Input element types a profile can feed (calibration and timing inputs are floats).
 INPUT_TYPES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.DOUBLE: "float64"}
+MAX_EXTERNAL_BYTES = 2**31 - 2**24
+"""Most bytes of external data a model may bring: the profiler inlines it, and protobuf holds
+no message past 2 GiB."""
 MAX_INPUT_ELEMENTS = 2**28
 """Most elements one input sample may hold (1 GiB of float32): timing and the equivalence check
 allocate whole batches of it, so a larger ask (``--input-shape 3x100000x100000`` wanted 447 GiB)
@@ -157,6 +161,8 @@ def ort_session(source, what: str):
     (an opset it does not know, a malformed graph) instead of ORT's traceback."""
     import onnxruntime as ort
 
+    ort.set_default_logger_severity(4)  # (its own log, before the session's applies, printed
+    # allocator errors on stderr beside ppiped's one line)
     so = ort.SessionOptions()
     so.log_severity_level = 4  # errors reach the caller as exceptions, in its own words
     try:
@@ -192,14 +198,68 @@ def load_onnx(path: str | Path) -> onnx.ModelProto:
     if not path.is_file():
         raise InputError(f"{path}: no such ONNX file")
     try:
-        m = onnx.load(str(path))
+        m = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # onnx raises DecodeError and friends
-        raise InputError(f"{path}: not a readable ONNX model ({e})") from None
+        raise InputError(f"{path}: not a readable ONNX model ({type(e).__name__}: {e})") from None
+    _load_external_data(m, path)
     if not m.graph.node and not m.graph.input:  # protobuf reads an empty or foreign file as {}
         raise InputError(f"{path}: not a valid ONNX model (no graph: empty or not an ONNX file)")
     if not m.graph.output:
         raise InputError(f"{path}: the model has no outputs, so there is nothing to serve")
     return m
+
+
+def _load_external_data(m: onnx.ModelProto, path: Path) -> None:
+    """Read the tensors ``m`` keeps in external files, after ppiped's own checks: each file a
+    regular file inside the model's folder once symlinks are resolved (onnx 1.15, which the
+    dependency range admits, read a symlink to /etc/passwd into a weight), and all of them
+    together within MAX_EXTERNAL_BYTES (a 225-byte model naming an 8 GB sparse file took 16 GB
+    of memory, then crashed in onnx: the profiler works on an inlined copy, which protobuf
+    cannot hold past 2 GiB anyway)."""
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    base = path.resolve().parent
+    total = 0
+    ext = [t for t in _all_tensors(m.graph) if uses_external_data(t)]
+    for t in ext:
+        info = ExternalDataInfo(t)
+        loc = info.location or ""
+        f = None if not loc or "\0" in loc or os.path.isabs(loc) else (base / loc).resolve()
+        if f is None or not f.is_relative_to(base) or not f.is_file():
+            raise InputError(f"{path}: tensor {t.name!r} keeps its data in {loc!r}, which is not a file in "
+                             f"the model's folder {base}")
+        size = f.stat().st_size - (info.offset or 0)
+        if (info.length or 0) > size or size < 0:
+            raise InputError(f"{path}: tensor {t.name!r} claims {info.length} bytes at offset {info.offset or 0} of "
+                             f"{loc!r}, which holds {f.stat().st_size}")
+        total += info.length if info.length else size
+        if total > MAX_EXTERNAL_BYTES:
+            raise InputError(f"{path}: external data of {total / 2**30:.1f} GiB or more (tensor {t.name!r} in "
+                             f"{loc!r}): ppiped profiles models of less than 2 GiB")
+    if ext:
+        from onnx.external_data_helper import load_external_data_for_model
+
+        try:
+            load_external_data_for_model(m, str(base))
+        except Exception as e:  # noqa: BLE001 - onnx's own checks, in its words
+            raise InputError(f"{path}: cannot read its external data ({type(e).__name__}: {e})") from None
+
+
+def _all_tensors(g: onnx.GraphProto):
+    """Every tensor a graph holds: initializers and node attributes, subgraphs included."""
+    yield from g.initializer
+    for sp in g.sparse_initializer:
+        yield sp.values
+        yield sp.indices
+    for n in g.node:
+        for a in n.attribute:
+            if a.HasField("t"):
+                yield a.t
+            yield from a.tensors
+            if a.HasField("g"):
+                yield from _all_tensors(a.g)
+            for sub in a.graphs:
+                yield from _all_tensors(sub)
 
 
 def _check_ops(graph: onnx.GraphProto) -> None:
