@@ -724,3 +724,22 @@ def test_a_broken_graph_is_named_by_its_file(tmp_path, capsys):
     assert main(["profile", str(path), *PROFILE_ARGS, "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"ppiped profile: error: {path}: ")
+
+
+def test_choose_cuts_coarsens_a_very_long_graph(monkeypatch):
+    """Past MAX_DP_UNITS units the exact programme ran for minutes (150,000 layers: killed at
+    120 s); runs of units are merged, the cuts stay valid and the blocks about as even."""
+    from ppiped.profiler import partition as P
+
+    costs = np.random.default_rng(0).random(2_000)
+    extra = np.zeros(1_999, dtype=int)
+    exact = choose_cuts(costs, 10, extra_tensors=extra)
+    monkeypatch.setattr(P, "MAX_DP_UNITS", 300)
+    coarse = choose_cuts(costs, 10, extra_tensors=extra)
+    assert coarse != exact and len(coarse) == 9 and coarse == sorted(set(coarse))
+    assert coarse[0] >= 0 and coarse[-1] < len(costs) - 1
+    assert all((c + 1) % 7 == 0 for c in coarse)  # 2,000 units in runs of 7: cuts only between runs
+    # each block's two edges may each move by at most one run of 7 units from where the exact
+    # programme put them
+    dev = max_deviation(block_costs(costs, coarse))
+    assert dev <= max_deviation(block_costs(costs, exact)) + 2 * 7 * costs.max() / (costs.sum() / 10)

@@ -30,6 +30,8 @@ class Block:
 # rule: a cut of several tensors (more bytes, more frames per hop) is taken only where it
 # balances the blocks clearly better than a one-tensor cut would.
 EXTRA_TENSOR_SHARE = 0.25
+# Units the balanced rule's exact programme takes as they are; a longer graph is coarsened.
+MAX_DP_UNITS = 4000
 
 
 def choose_cuts(unit_cost: Sequence[float], n_blocks: int, method: str = "balanced",
@@ -57,7 +59,16 @@ def choose_cuts(unit_cost: Sequence[float], n_blocks: int, method: str = "balanc
         extra = np.zeros(max(0, m - 1)) if extra_tensors is None else np.asarray(extra_tensors, dtype=np.float64)
         if len(extra) != max(0, m - 1):
             raise ValueError(f"extra_tensors has {len(extra)} entries for {m - 1} cuts")
-        return _balanced(costs, n_blocks, extra)
+        if m <= MAX_DP_UNITS or m <= n_blocks * 4:
+            return _balanced(costs, n_blocks, extra)
+        # Past MAX_DP_UNITS units the exact programme (blocks x units^2) ran for minutes (150,000
+        # one-layer units: killed after 120 s): runs of g consecutive units become one, and only
+        # the cuts between runs are offered; each block still spans hundreds of runs.
+        g = -(-m // MAX_DP_UNITS)
+        starts = np.arange(0, m, g)
+        grouped = np.add.reduceat(costs, starts)
+        cuts = _balanced(grouped, n_blocks, extra[starts[1:] - 1])
+        return [int(min(m - 1, (c + 1) * g) - 1) for c in cuts]
     raise InputError(f"unknown partition method {method!r} (greedy, balanced)")
 
 
