@@ -743,3 +743,18 @@ def test_choose_cuts_coarsens_a_very_long_graph(monkeypatch):
     # programme put them
     dev = max_deviation(block_costs(costs, coarse))
     assert dev <= max_deviation(block_costs(costs, exact)) + 2 * 7 * costs.max() / (costs.sum() / 10)
+
+
+def test_a_tensor_past_the_size_cap_is_refused_before_anything_runs(tmp_path, capsys):
+    """A 249-byte model expanding its input to 20,000 x 25,000 per channel asked ONNX Runtime
+    for 12 GB; the inferred shape says so before anything runs."""
+    shape = numpy_helper.from_array(np.array([1, 3, 40_000, 30_000], dtype=np.int64), "shape")
+    g = helper.make_graph([helper.make_node("Expand", ["x", "shape"], ["big"]),
+                           helper.make_node("ReduceMean", ["big"], ["y"], keepdims=0)], "expand",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 1, 1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])], [shape])
+    path = tmp_path / "expand.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), path)
+    assert main(["profile", str(path), *PROFILE_ARGS, "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "tensor 'big' holds 3,600,000,000 elements per sample" in err, err

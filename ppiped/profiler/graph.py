@@ -41,6 +41,8 @@ INPUT_TYPES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", Ten
 MAX_EXTERNAL_BYTES = 2**31 - 2**24
 """Most bytes of external data a model may bring: the profiler inlines it, and protobuf holds
 no message past 2 GiB."""
+MAX_TENSOR_ELEMENTS = 2**30
+"""Most elements one sample's tensor may hold anywhere in the model (inferred shapes)."""
 MAX_INPUT_ELEMENTS = 2**28
 """Most elements one input sample may hold (1 GiB of float32): timing and the equivalence check
 allocate whole batches of it, so a larger ask (``--input-shape 3x100000x100000`` wanted 447 GiB)
@@ -503,6 +505,11 @@ def _analyze(model: onnx.ModelProto, input_shape: tuple[int, ...] | None, max_cu
         dtypes[vi.name] = vi.type.tensor_type.elem_type
         if vi.type.tensor_type.HasField("shape") and all(isinstance(d, int) for d in dims):
             shapes[vi.name] = tuple(int(d) for d in dims)  # type: ignore[arg-type]
+    for name, dims in shapes.items():  # before anything runs: a 249-byte Expand asked for 12 GB
+        n = int(np.prod(dims, dtype=object)) if dims else 1
+        if n > MAX_TENSOR_ELEMENTS:
+            raise InputError(f"tensor {name!r} holds {n:,} elements per sample (shape {list(dims)}), more than "
+                             f"the {MAX_TENSOR_ELEMENTS:,} (4 GiB of float32) a profiled tensor may hold")
     for t in inits.values():
         shapes[t.name] = tuple(t.dims)
         dtypes[t.name] = t.data_type
