@@ -238,7 +238,7 @@ class AsyncClient:
         self.watch_s = watch_s
         self.epoch: int | None = None  # the scheduler's, from its PONGs
         self._stamp = False  # its PONG says it refuses requests stamped with another epoch
-        self._heard = 0.0  # monotonic time of the last PONG (or of the first pending request)
+        self._heard = 0.0  # monotonic time of the last message heard (or of the first pending request)
         self._watch_handle: asyncio.TimerHandle | None = None
         self._watch_tokens = itertools.count(-1, -1)  # watch pings: negative tokens
         self.max_payload_bytes: int | None = None  # the scheduler's, from its PONGs
@@ -492,6 +492,9 @@ class AsyncClient:
             self.errors.append((e.code, str(e)))
             return
         t = h.type
+        # any message from the scheduler shows it is there (only PONGs counted: a client whose
+        # PONGs queued behind a stream of replies gave its pending requests up as unreachable)
+        self._heard = time.monotonic()
         if t == T.REPLY:
             ids, status, reason, meta = h.ids, h.status, h.reason, h.meta
             pending = self._pending
@@ -520,7 +523,6 @@ class AsyncClient:
                 return
             qcb(status, reason, stage, detail, entries, msg[1:])
         elif t == T.PONG:
-            self._heard = time.monotonic()
             epoch = h.info.get("epoch")
             if epoch is not None:
                 if self.epoch is not None and epoch != self.epoch:

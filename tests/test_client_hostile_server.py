@@ -85,3 +85,38 @@ def test_a_frame_past_the_cap_is_never_taken(tmp_path, monkeypatch):
         asyncio.run(main())
     finally:
         ctx.destroy(0)
+
+
+def test_replies_flowing_keep_pending_requests_alive_without_pongs(tmp_path):
+    """A scheduler busy answering: its PONGs may queue behind replies. Replies show it is there,
+    so a request answered after more than UNREACHABLE_S of no PONG is still delivered (only
+    PONGs counted, and it was ended ``daemon-unreachable``)."""
+    ep = f"ipc://{tmp_path}/s.sock"
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.bind(ep)
+
+    async def serve(loop) -> None:
+        got: list[tuple[bytes, int, bytes]] = []  # (identity, request id, frame)
+        while len(got) < 2:
+            ident, head, *frames = await loop.run_in_executor(None, server.recv_multipart)
+            h = wire.decode(head)
+            if h.type == T.SUBMIT:  # PINGs are never answered
+                got += [(ident, i, f) for i, f in zip(h.ids, frames, strict=True)]
+        for ident, i, f in got:  # one reply, then the other 1.2 x UNREACHABLE_S after the first ping
+            await asyncio.sleep(0.6 * C.UNREACHABLE_S)
+            server.send_multipart([ident, wire.reply([i], Status.OK, "", None), f])
+
+    async def main() -> list[bytes]:
+        loop = asyncio.get_running_loop()
+        async with C.AsyncClient(ep, timeout_s=10, watch_s=0.05) as cl:
+            serving = asyncio.ensure_future(serve(loop))
+            rs = await asyncio.gather(cl.submit("m", b"one"), cl.submit("m", b"two"))
+            await serving
+            return [r.data for r in rs]
+
+    try:
+        assert asyncio.run(main()) == [b"one", b"two"]
+    finally:
+        ctx.destroy(0)
