@@ -21,6 +21,7 @@ from .cluster import MAX_SPLIT, MAX_VGPUS, Cluster, ClusterError, cluster_from_j
 from .packing import pack_count
 from .profiles import Profile
 from .readfile import read_json
+from .wire import brief
 
 if TYPE_CHECKING:
     from .query.app import App
@@ -41,13 +42,13 @@ def check_weights(weights: Any, models: list[str]) -> list[float]:
     from .errors import InputError  # (errors imports this module)
 
     if not isinstance(weights, (list, tuple)) or len(weights) != len(models):
-        raise InputError(f"weights: expected {len(models)} (one per model: {', '.join(models)}), got {repr(weights)[:80]}")
+        raise InputError(f"weights: expected {len(models)} (one per model: {', '.join(models)}), got {brief(weights, 80)}")
     bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, numbers.Real)
            or not WEIGHT_MIN <= w <= WEIGHT_MAX]
     if bad:
-        raise InputError(f"weights: expected numbers in [{WEIGHT_MIN:g}, {WEIGHT_MAX:g}], got {repr(bad[0])[:40]}")
+        raise InputError(f"weights: expected numbers in [{WEIGHT_MIN:g}, {WEIGHT_MAX:g}], got {brief(bad[0])}")
     if max(weights) > WEIGHT_MAX_RATIO * min(weights):
-        raise InputError(f"weights {str(list(weights))[:200]}: the largest is more than {WEIGHT_MAX_RATIO:g} x the smallest")
+        raise InputError(f"weights {brief(list(weights), 200)}: the largest is more than {WEIGHT_MAX_RATIO:g} x the smallest")
     return [float(w) for w in weights]
 
 
@@ -444,11 +445,11 @@ def _is_int(x: Any) -> bool:
 def _real(x: Any, key: str, where: str) -> float:
     """A JSON number as a float; a string such as ``"1500"`` is refused, not converted."""
     if not _is_real(x):
-        raise PlanError(f"{where}: field {key}: expected a number, got {_quote(x)}")
+        raise PlanError(f"{where}: field {key}: expected a number, got {brief(x, 60)}")
     try:
         return float(x)
     except OverflowError:  # an integer past the float range
-        raise PlanError(f"{where}: field {key}: expected a finite number, got {_quote(x)}") from None
+        raise PlanError(f"{where}: field {key}: expected a finite number, got {brief(x, 60)}") from None
 
 
 def _integer(x: Any, key: str, where: str) -> int:
@@ -456,7 +457,7 @@ def _integer(x: Any, key: str, where: str) -> int:
     if isinstance(x, float) and x.is_integer():
         return int(x)
     if not _is_int(x):
-        raise PlanError(f"{where}: field {key}: expected an integer, got {_quote(x)}")
+        raise PlanError(f"{where}: field {key}: expected an integer, got {brief(x, 60)}")
     return int(x)
 
 
@@ -532,14 +533,8 @@ def _params_from_json(p: Any, source: str) -> PlanParams:
     return PlanParams(**p)
 
 
-def _quote(x: Any) -> str:
-    """``repr(x)``, at most 60 characters of it: a file's 5,000-digit number is not an error text."""
-    r = repr(x)
-    return r if len(r) <= 60 else r[:57] + "..."
-
-
 def _bad(where: str, key: str, want: str, got: Any) -> PlanError:
-    return PlanError(f"{where}: field {key}: expected {want}, got {_quote(got)}")
+    return PlanError(f"{where}: field {key}: expected {want}, got {brief(got, 60)}")
 
 
 def _finite(x: Any) -> bool:

@@ -450,11 +450,11 @@ def expect_frames(h: Message, n_frames: int, wanted: int) -> None:
                             f"message has {n_frames}")
 
 
-def brief(x: Any) -> str:
-    """``repr(x)`` cut to 40 characters: what error texts quote of a peer's value (a quoted 1 MB
-    field made every answer to it 4 MB)."""
+def brief(x: Any, limit: int = 40) -> str:
+    """``repr(x)`` cut to ``limit`` characters: what error texts quote of a peer's or a file's
+    value (a quoted 1 MB field made every answer to it 4 MB; a 5,000-digit number, a line)."""
     r = repr(x)
-    return r if len(r) <= 40 else r[:37] + "..."
+    return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
 # --- constructors (one per type, in its struct's field order) --------------------------------

@@ -62,8 +62,9 @@ from ..profiles import Profile, load_profiles, save_profile
 from .argtypes import LOAD_FACTOR, POSITIVE_INT, SEED, integer, number
 
 ROOT = Path(__file__).resolve().parents[2]
-# Seconds a demo may offer load for: it runs real processes on this host.
+# Seconds a demo may offer load for (it runs real processes on this host), and its SLOs in ms.
 DEMO_SECONDS = number(0, 3600, lo_open=True)
+DEMO_SLO_MS = number(0, 3.6e6, lo_open=True)
 EXAMPLE_DIR = ROOT / "plans" / "example"
 
 
@@ -80,7 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--processes", type=integer(1, 64), default=2, help="executor processes hosting the vGPUs")
     p.add_argument("--time-scale", type=_time_scale_arg, default="auto",
                    help="run the cluster K times slower (auto or a number up to 10^6)")
-    p.add_argument("--min-slo-ms", type=number(0, 3.6e6, lo_open=True), default=60.0, help="auto time scale: tightest SLO after scaling")
+    p.add_argument("--min-slo-ms", type=DEMO_SLO_MS, default=60.0, help="auto time scale: tightest SLO after scaling")
     p.add_argument("--max-rate", type=number(0, 1e6, lo_open=True), default=800.0,
                    help="auto time scale: most requests/s offered in all (what this host emulates comfortably)")
     p.add_argument("--seed", type=SEED, default=0)
@@ -98,7 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "pinning: the ORT vGPUs need the cores)")
     a.add_argument("--vgpus", type=POSITIVE_INT, help="--app: CPU vGPUs to plan on, at most the CPUs (default: "
                                              "min(2, CPUs))")
-    a.add_argument("--slo-ms", type=number(0, 3.6e6, lo_open=True), help="--app: the app's end-to-end SLO on CPU (default 300)")
+    a.add_argument("--slo-ms", type=DEMO_SLO_MS, help="--app: the app's end-to-end SLO on CPU (default 300)")
     p.set_defaults(func=run)
 
 

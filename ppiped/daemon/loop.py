@@ -148,18 +148,17 @@ def _timerfd() -> tuple[int, Callable[[int], None]] | None:
 
 
 class ConnectionCap:
-    """At most ``limit`` stream connections open at once, each for at most ``seconds`` in all:
-    the metrics and ctl listeners' bound on what idle or dripping peers may hold. Without it,
-    1,000 connections sending one header line every 3 s took the daemon's file descriptors and
-    libzmq aborted on the next client connection."""
+    """At most ``limit`` stream connections open at once, and the ``seconds`` a listener gives
+    one (metrics: a whole scrape; ctl: each request line): the metrics and ctl listeners' bound
+    on what idle or dripping peers may hold. Without it, 1,000 connections sending one header
+    line every 3 s took the daemon's file descriptors and libzmq aborted on the next client
+    connection."""
 
     def __init__(self, limit: int, seconds: float) -> None:
         self.limit, self.seconds, self.open = limit, seconds, 0
-        self.refused = 0
 
     def admit(self) -> bool:
         if self.open >= self.limit:
-            self.refused += 1
             return False
         self.open += 1
         return True

@@ -1586,7 +1586,7 @@ class Server:
         # nothing from off the path (an empty RESULT from a standby process was taken, and its
         # lateness sample fed the admission window)
         last = self.vgpu_exec[b.path[-1]] if b.path[-1] < self.nv else None
-        if (ids and last is not ex) or not any(v < self.nv and self.vgpu_exec[v] is ex for v in b.path):
+        if last is not ex and (ids or not any(v < self.nv and self.vgpu_exec[v] is ex for v in b.path)):
             self.counters["foreign_results"] += 1
             self.warn_limited("foreign-result", batch=bid, pid=ex.pid, vgpus=format_ranges(ex.vgpus),
                               path=b.path)
