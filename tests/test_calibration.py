@@ -68,7 +68,7 @@ def _offset_models(tmp_path: Path, scale_in_block: float) -> tuple[str, list[str
                               [helper.make_tensor_value_info(out, TensorProto.FLOAT, ["N", 4])],
                               [numpy_helper.from_array(np.array(v, np.float32), k) for k, v in inits.items()])
         path = tmp_path / f"{name}.onnx"
-        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
         return str(path)
 
     whole = model([helper.make_node("Mul", ["x", "two"], ["a"]), helper.make_node("Add", ["a", "k"], ["y"])],

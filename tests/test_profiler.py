@@ -54,7 +54,7 @@ def _chain_model(skip_all: bool = False, custom_op: bool = False, dynamic_hw: bo
     g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)])
     opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid("com.example", 1)] if custom_op else [])
-    return helper.make_model(g, opset_imports=opsets)
+    return helper.make_model(g, opset_imports=opsets, ir_version=8)
 
 
 # --- graph analysis -------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def _segmenter(size_read_last: bool = False) -> onnx.ModelProto:
     g = helper.make_graph(nodes, "seg", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 16, 16])],
                           [w1, w2, *consts])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 @pytest.mark.parametrize("size_read_last", [False, True])
@@ -153,7 +153,7 @@ def test_a_cut_blocked_by_a_tensor_that_may_not_cross_is_named(tmp_path):
     g = helper.make_graph(nodes, "masked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 8, 8])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 8, 8])], [zero])
     path = tmp_path / "masked.onnx"
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
     req = ProfileRequest(model_path=path, out_dir=tmp_path, backend="estimate", gpu="V100", blocks=2,
                          max_batch=1, progress=False, max_cut_tensors=4)
     with pytest.raises(InputError, match=r"no valid cut point.*tensor 'mask' \(bool, shape \[1, 4, 8, 8\]\) "
@@ -172,7 +172,7 @@ def test_a_check_on_outputs_the_input_does_not_move_is_flagged(tmp_path, capsys)
     g = helper.make_graph(nodes, "flat", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 8, 8])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 8, 8])], [zero, bias])
     path = tmp_path / "flat.onnx"
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
     req = ProfileRequest(model_path=path, out_dir=tmp_path / "out", backend="estimate", gpu="V100", blocks=2,
                          max_batch=2, progress=False)
     profile_model(req)

@@ -320,7 +320,7 @@ def _matmul_chain(layers, n=256, rows=64):
     g = helper.make_graph(nodes, "slow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", rows, n])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", rows, n])],
                           [numpy_helper.from_array(w, "w")])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 def _slow_partition(path, target_s=1.0):
