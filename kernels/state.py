@@ -219,6 +219,7 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("m_near", "i", ("M", "M")),  # 1 where two models have vGPUs on a common server (share its NIC)
     ("m_room_b", "f", ("M",)),
     ("v_heard", "f", ("V", "TWO")),  # per vGPU: its last report's end, the margins' last relaxation
+    ("m_lgap", "f", ("M", "TWO")),  # per model: EWMAs of the arrival gap and its square (sched._long_gap)
 )
 # section indices, in SECTIONS order (tests check they agree)
 X_V_SERVER = 0
@@ -315,6 +316,7 @@ X_M_SHARE = 89
 X_M_NEAR = 90
 X_M_ROOM_B = 91  # per model: the room for bursts within the planned rate, a lower quantile (ROOM_Q_BURST)
 X_V_HEARD = 92
+X_M_LGAP = 93
 MARGIN_STALE_SLOS = 5.0  # a vGPU silent this many SLOs has margins that may be stale ...
 MARGIN_RELAX_SLOS = 2.0  # ... and they relax towards the prior with this time constant (see _relax)
 SH_W0, SH_N, SH_RATE, SH_TOK, SH_T, SH_NA, SH_ARATE = 0, 1, 2, 3, 4, 5, 6
@@ -324,6 +326,10 @@ SHARE_SHORT = 0.97  # a model under pressure is short below this share of its pl
 SHARE_BURST = 0.5  # holds of planned arrivals a capped model's bucket holds
 ROOM_STEP = 0.01  # learning step of the room, as a share of the SLO
 SILENCE_GAPS = 8.0  # a held batch stops waiting after this many mean arrival gaps of silence (sched._quiet_left)
+LGAP_STEP = 1.0 / 16.0  # learning step, per arrival, of the length-weighted gap (sched._long_gap)
+LGAP_CAP = 4.0  # a gap counts into it as at most this many times its current value (an idle spell is not a tick)
+SILENCE_TICKS = 2.0  # a held batch waits through this many length-weighted gaps of silence ...
+SILENCE_TICKS_SLO = 0.125  # ... but through no more of them than this share of the SLO
 ROOM_Q_BURST = 0.93  # the quantile of the burst room (X_M_ROOM_B); 0.95 until session 25
 OVERLOAD_RATE = 1.15  # PARD: a model is overloaded while arrivals run above this x its planned rate
 OVERLOAD_EARLY = 0.5  # share of a window after which its running count may show an overload

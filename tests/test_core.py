@@ -412,8 +412,11 @@ def test_the_noise_guard_grows_with_the_time_booked_ahead_not_with_each_booking(
     assert guarded.decide(0.0).dispatches()[0].finish_us == pytest.approx(500.0)
 
 
-def _one_pool_case(nv=2, bs=2, lat=100.0, slo=1000.0, parts=1, rate=None):
-    prof = Profile("m", 2, {"A": {1: np.array([[lat / 2, lat], [lat / 2, lat]])}}, np.array([1000.0]),
+def _one_pool_case(nv=2, bs=2, lat=100.0, slo=1000.0, parts=1, rate=None, lat1=None):
+    """One model on ``nv`` vGPUs of one type: each block takes ``lat`` at batch 2 and ``lat1``
+    (default ``lat / 2``: batching gains nothing) at batch 1."""
+    h = lat / 2 if lat1 is None else lat1
+    prof = Profile("m", 2, {"A": {1: np.array([[h, lat], [h, lat]])}}, np.array([1000.0]),
                    {"A": lat})
     blocks = [(0, 2)] if parts == 1 else [(0, 1), (1, 2)]
     parts_ = [Partition(b, "A", 1, nv, 1.0, 0.0, 1.0, bs) for b in blocks]
@@ -455,6 +458,40 @@ def test_a_held_batch_stops_waiting_through_a_silence():
     (rest,) = a.dispatches()
     assert sorted(first.request_ids + rest.request_ids) == [0, 1, 2]
 
+
+def test_a_tick_tail_waits_for_the_next_tick_but_not_through_an_idle_spell():
+    """Requests in ticks (5 in one message each millisecond, batches of 2, 20,000 rps planned:
+    50 µs gaps): the silence between ticks is their rhythm, so a tick's odd request waits for
+    the next tick and every batch leaves full (with 8 mean gaps of silence, it went alone after
+    about 830 µs). The last tick's tail goes after a few ticks of silence; after a 1 s idle
+    spell, a burst's tail is not held to its deadline either."""
+    plan, profs = _one_pool_case(nv=2, bs=2, slo=100_000.0, lat1=70.0)  # batching pays
+    s = Scheduler(plan, profs, noise_z=0.0)
+    sent = []  # (time, batch size)
+    rid = 0
+
+    def serve(t: float, n: int, until: float) -> None:
+        nonlocal rid
+        for _ in range(n):
+            s.submit(rid, 0, t, t + 100_000.0)
+            rid += 1
+        a = s.decide(t)
+        while True:
+            sent.extend((t, len(d.request_ids)) for d in a.dispatches())
+            if a.wake_at >= until:
+                return
+            t = a.wake_at
+            a = s.decide(t)
+
+    for k in range(31):  # 155 requests: one left over at the end
+        serve(1000.0 * k, 5, 1000.0 * (k + 1))
+    assert [n for _, n in sent[-40:]] == [2] * 40
+    serve(31_000.0, 0, math.inf)
+    assert sent[-1][1] == 1 and sent[-1][0] < 41_000.0
+    t = 1e6
+    serve(t, 5, math.inf)
+    assert [n for _, n in sent[-3:]] == [2, 2, 1]
+    assert sent[-1][0] - t <= 20_000.0  # the 1 s gap counts as 4 ticks at most: held ~8 ms, not ~100 ms
 
 def test_no_wait_when_no_more_requests_are_expected():
     """Arrivals 5 ms apart against a 1 ms SLO: waiting for a second request gains nothing, so a

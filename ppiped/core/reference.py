@@ -130,6 +130,7 @@ class RefScheduler:
         self.last = [-INF] * len(layout.models)  # latest arrival per model
         self.gap = [float(g) for g in layout.planned_gap_us()]  # mean arrival gap per model (EWMA)
         self.pgap = list(self.gap)  # at the planned rate
+        self.lgap = [[0.0, 0.0] for _ in layout.models]  # EWMAs of the gap and its square (_long_gap)
         self.hbf_until = [-INF] * len(layout.models)  # under pressure until (HBF too with pard)
         self.hi_until = [-INF] * len(layout.models)  # the high class is active until
         self.room = class_room
@@ -167,10 +168,23 @@ class RefScheduler:
     def _down(self, s: int) -> int:
         return self.L.num_vgpus + 2 * s + 1
 
+    def _long_gap(self, m: int) -> float:
+        s1, s2 = self.lgap[m]
+        return s2 / s1 if s1 > 0.0 else 0.0
+
+    def _learn_gap(self, m: int, gap: float) -> None:
+        """The length-weighted gap's EWMAs, as the kernel's ``_learn_gap``."""
+        L = self._long_gap(m) or max(self.gap[m], self.pgap[m])
+        g = min(gap, S.LGAP_CAP * L)
+        a = 1.0 - S.LGAP_STEP
+        s1 = a * self.lgap[m][0] + S.LGAP_STEP * g
+        self.lgap[m] = [0.0, 0.0] if s1 < 1e-200 else [s1, a * self.lgap[m][1] + S.LGAP_STEP * g * g]
+
     def submit(self, rid: int, model: int, deadline: float, arrival: float = 0.0, prio: int = 0) -> None:
         self.seq += 1
         if self.last[model] > -INF:
             gap = max(arrival - self.last[model], 0.0)
+            self._learn_gap(model, gap)
             self.gap[model] = gap if self.gap[model] == INF else 0.75 * self.gap[model] + 0.25 * gap
         self.last[model] = max(self.last[model], arrival)
         self.share[model][5] += 1.0
@@ -354,7 +368,9 @@ class RefScheduler:
                     slack = dh - fn - 2.0 * extra - self.guard
                     if slack >= self.min_wait and slack >= self.gap[m] and self._worth_waiting(m, p, n, chosen):
                         # not through a silence of SILENCE_GAPS mean gaps (see kernels' _quiet_left)
-                        quiet = S.SILENCE_GAPS * max(self.gap[m], self.pgap[m]) - (now - self.last[m])
+                        g = max(S.SILENCE_GAPS * max(self.gap[m], self.pgap[m]),
+                                min(S.SILENCE_TICKS * self._long_gap(m), S.SILENCE_TICKS_SLO * float(self.L.slo_us[m])))
+                        quiet = g - (now - self.last[m])
                         if quiet > 0.0:
                             return now + min(slack, max(quiet, self.min_wait))
                     hops = hn
