@@ -320,3 +320,28 @@ def test_goodput_and_utilization_count_the_same_work():
     res, _ = run(*tiny(), [990.0], duration_s=0.001)
     assert res.models[0].goodput_rps == pytest.approx(1000.0)
     assert res.utilization["A"] == pytest.approx(100.0 / 1000.0)
+
+
+def test_the_daemons_wake_guard_keeps_batches_full_under_overload(tmp_path):
+    """The daemon holds a batch only until 1 ms (its wake-up guard) before the last moment. At
+    load 1.3 that sent batches partial while arrivals would have filled them in time (the tiny
+    example under PARD: 0.937 of capacity with the guard, 0.990 without; the live daemon on the
+    H100 host: 0.93). Overloaded, a batch that arrivals fill well inside its slack now waits."""
+    from ppiped.executor import tiny
+    from ppiped.plan import load_plan
+    from ppiped.profiles import load_profiles
+    from ppiped.sim.run import rates_at_one
+
+    plan_path, prof_dir = tiny.write_example(tmp_path, vgpus=(4, 4), bs=4, slo_ms=60.0)
+    plan = load_plan(plan_path)
+    profs = load_profiles(prof_dir, [m.model for m in plan.models])
+    cap = rates_at_one(plan_path, plan)
+    trace = generate("poisson", list(1.3 * cap), 5.0, 0)
+    good = {}
+    for guard in (0.0, 1000.0):
+        res = simulate(plan, profs, trace, "pard", 0.05, duration_s=5.0, options=SimOptions(wait_guard_us=guard))
+        (m,) = res.models
+        good[guard] = m.goodput_rps / cap[0]
+        assert m.late <= 0.01 * m.served
+    assert good[0.0] > 0.97
+    assert good[1000.0] > good[0.0] - 0.02

@@ -365,7 +365,11 @@ class RefScheduler:
                     # high-quantile margins would take
                     extra = 0.0 if self._hot(m, now) else sum(
                         (self._hi(h[0]) - self.margin[h[0]][0]) * h[5] for h in hn)
-                    slack = dh - fn - 2.0 * extra - self.guard
+                    room = dh - fn - 2.0 * extra
+                    slack = room - self.guard
+                    if (slack < max(self.min_wait, self.gap[m]) and self.guard > 0.0
+                            and (chosen - n) * self.gap[m] <= 0.5 * room and self._overloaded(m, now)):
+                        slack = 0.5 * room  # see the kernel's 3b: arrivals fill the batch in time
                     if slack >= self.min_wait and slack >= self.gap[m] and self._worth_waiting(m, p, n, chosen):
                         # not through a silence of SILENCE_GAPS mean gaps (see kernels' _quiet_left)
                         g = max(S.SILENCE_GAPS * max(self.gap[m], self.pgap[m]),
