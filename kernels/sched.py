@@ -1093,8 +1093,7 @@ def _ppipe_queue(A, F, m, now):
                     # against a late wake-up need not send it partial (the daemon's 1 ms guard
                     # cost 5 % of capacity at load 1.3); the fallback wake leaves half the slack
                     slack = 0.5 * room
-                if slack >= min_wait and slack >= F[off(A, X_M_GAP) + m] and _worth_waiting(
-                        A, F, m, best_p, n, chosen):
+                if slack >= min_wait and slack >= gap and _worth_waiting(A, F, m, best_p, n, chosen):
                     quiet = _quiet_left(A, F, m, now)
                     if quiet > 0.0:
                         F[o_qw + m] = now + min(slack, max(quiet, min_wait))
