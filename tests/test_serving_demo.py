@@ -146,3 +146,15 @@ def test_example_cnn_served_by_ort_partitions_cut_from_the_profile():
         assert c.input_shape == json.loads(profile.read_text())["input"]["shape"]  # clients learn the input
         assert c.equal and not c.errors and c.frames == 4, c
         assert c.max_diff <= 1e-2 * c.output_range
+
+
+def test_write_config_keeps_executor_keys_in_executor_when_pinning_threads(tmp_path):
+    """``extra`` may begin with keys of [executor] (the overload bench's emulate_jitter): with
+    ``threads`` those keys once landed in [threads], and the daemon refused the config."""
+    from ppiped.daemon.config import load_config
+
+    plan, profiles = tiny.write_example(tmp_path)
+    cfg = load_config(write_config(tmp_path, plan, profiles, threads=([0], [1]),
+                                   extra="emulate_jitter = 0.05\n"))
+    assert cfg.executor_defaults.emulate_jitter == 0.05
+    assert cfg.loop_cpus == (0,)

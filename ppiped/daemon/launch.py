@@ -80,8 +80,8 @@ def write_config(directory: Path, plan: Path, profiles: Path, *, backend: str = 
     scheduler's (loop CPUs, I/O CPUs), as :func:`cpu_split` gives them."""
     d = directory
     sched = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (scheduler or {}).items())
-    if threads:
-        extra = f"[threads]\nloop_cpus = {list(threads[0])}\nio_cpus = {list(threads[1])}\n{extra}"
+    if threads:  # last: ``extra`` may start with keys of [executor]
+        extra = f"{extra}\n[threads]\nloop_cpus = {list(threads[0])}\nio_cpus = {list(threads[1])}\n"
     text = f"""# written by ppiped.daemon.launch
 plan = {json.dumps(str(plan))}
 profiles = {json.dumps(str(profiles))}
