@@ -144,6 +144,11 @@ class ServeConfig:
     def executor_settings(self, vgpu: int) -> ExecutorSettings:
         return self.executors.get(vgpu, self.executor_defaults)
 
+    def slo_us(self, model: str, plan_slo_us: float) -> int:
+        """A model's SLO as served: its ``[models.NAME] slo_ms``, else the plan's."""
+        ms = self.models.get(model)
+        return int(ms.slo_ms * 1000) if ms and ms.slo_ms else int(plan_slo_us)
+
     def partition_file(self, settings: ExecutorSettings, **fields: Any) -> Path:
         if not settings.partitions:
             raise ConfigError(f"{self.source}: executor.partitions: needed by the {settings.backend} "

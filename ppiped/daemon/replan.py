@@ -297,10 +297,9 @@ def _slos_within_limit(srv: Server, plan: Plan) -> None:
     ``limits.max_slo_ms`` would have its own requests refused (a plan's 1e308 µs was taken)."""
     cfg = srv.cfg
     for m in plan.models:
-        ms = cfg.models.get(m.model)
-        slo = ms.slo_ms if ms and ms.slo_ms else m.slo_us / 1000
-        if slo > cfg.max_slo_ms:
-            raise InputError(f"the new plan's SLO of {m.model} ({slo:.6g} ms) is over limits.max_slo_ms "
+        slo = cfg.slo_us(m.model, m.slo_us)
+        if slo > cfg.max_slo_ms * 1000:
+            raise InputError(f"the new plan's SLO of {m.model} ({slo / 1000:.6g} ms) is over limits.max_slo_ms "
                              f"({cfg.max_slo_ms:g})")
 
 

@@ -423,7 +423,7 @@ class Server:
         rate = lay.rate_rps
         for i, m in enumerate(self.model_names):
             ms = self.cfg.models.get(m)
-            self.slo_us.append(int(ms.slo_ms * 1000) if ms and ms.slo_ms else int(lay.slo_us[i]))
+            self.slo_us.append(self.cfg.slo_us(m, lay.slo_us[i]))
             r = float(rate[i]) if rate is not None else 0.0
             self.fair_cap.append(max(MIN_LIMIT, r * self.slo_us[i] * 1e-6 * FAIR_SLO_SHARE) if r > 0
                                  else math.inf)
