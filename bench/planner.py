@@ -23,7 +23,9 @@ Parts (``--part``, default ``maf21``; ``all`` runs the three one after another):
     ``10kgpus`` L4:2500,T4:7500 (as L4-T4) on the first ``--large-groups`` groups, with the
     reference rates scaled by the cluster's size over 100 GPUs. Up to 2 partitions, margin 0.4.
     Targets: solved within 10 s (3 types), 20 s (4 types), 5 s (large), and status optimal or
-    gap <= 0.1 %. Each plan's time limit is its target (or ``--time-limit`` if lower). Runs one
+    gap <= 0.1 %. Each plan's time limit is its target (or ``--time-limit`` if lower), and it
+    asks the planner for that gap (``ppiped plan --mip-gap 0.001``): the planner stops once it
+    has proven it, and its "optimal" then means within it (``solver.mip_gap``). Runs one
     case at a time by default (``--jobs 1``), CBC on both cores (``--threads 2``), so timings
     are not disturbed.
 
@@ -115,7 +117,8 @@ def _finite(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-def plan_and_check(profiles, models, weights, cluster, params, algo, time_limit, rates, threads):
+def plan_and_check(profiles, models, weights, cluster, params, algo, time_limit, rates, threads,
+                   mip_gap: float = 1e-6):
     """Plan once and check the plan; returns ``(plan or None, record)``.
 
     The record is what every part reports for one plan: normalized throughput, wall seconds,
@@ -126,7 +129,8 @@ def plan_and_check(profiles, models, weights, cluster, params, algo, time_limit,
 
     t0 = time.perf_counter()
     try:
-        plan = plan_cluster(profiles, models, weights, cluster, params, algo, time_limit, rates, threads)
+        plan = plan_cluster(profiles, models, weights, cluster, params, algo, time_limit, rates, threads,
+                            mip_gap=mip_gap)
     except Exception as e:  # noqa: BLE001 - a failure is a bench result, not a crash
         return None, {"error": f"{type(e).__name__}: {e}", "solve_s": round(time.perf_counter() - t0, 3)}
     wall = time.perf_counter() - t0
@@ -416,7 +420,7 @@ def scale_run(case: Case, time_limit: float, threads: int) -> dict:
     params = PlanParams(slo_margin=0.4, batch_delay_factor=v4.params.batch_delay_factor, max_partitions=2,
                         slo_scale=5.0, slo_reference_gpu="L4")
     _, rec = plan_and_check(profiles, models, weights, cluster, params, "ppipe", min(time_limit, sp["target_s"]),
-                            rates, threads)
+                            rates, threads, mip_gap=SCALE_GAP)
     return {"config": sp["stem"], "cluster": sp["gpus"], "models": models, "weights": weights,
             "rate_scale": sp["rate_scale"], "target_s": sp["target_s"], "algos": {"ppipe": rec}}
 

@@ -73,11 +73,12 @@ class SolveInfo:
     threads: int
     time_limit_s: float
     extra: dict = field(default_factory=dict)
+    mip_gap: float = 1e-6  # "optimal" means: gap at most this
 
     def to_json(self) -> dict:
         d = {
             "solver": "cbc", "status": self.status, "objective": self.objective,
-            "bound": self.bound, "gap": self.gap, "solve_s": self.solve_s,
+            "bound": self.bound, "gap": self.gap, "mip_gap": self.mip_gap, "solve_s": self.solve_s,
             "configs": self.num_configs, "threads": self.threads, "time_limit_s": self.time_limit_s,
         }
         if self.num_vars:  # the full MILP ran (most plans are settled before it)
@@ -315,7 +316,7 @@ def solve_allocation(
         status=status, objective=S.best_z, bound=max(S.bound, S.best_z), gap=_gap(S.best_z, S.bound),
         solve_s=solve_s, num_configs=sum(len(v) for v in configs.values()), num_vars=stats[0],
         num_int=stats[1], num_constrs=stats[2], threads=threads, time_limit_s=time_limit_s,
-        extra=S.phases,
+        extra=S.phases, mip_gap=rel_gap,
     )
     log.info("planner %s: objective %.3f bound %.3f gap %.2e in %.2f s (%d configs, found by %s)",
              info.status, info.objective, info.bound, info.gap, solve_s, info.num_configs,
