@@ -75,6 +75,18 @@ def test_toy_plans_pass_the_checker(algo):
         min(m.throughput_rps / m.weight for m in plan.models))
 
 
+def test_optimal_means_within_the_gap_asked_and_the_plan_says_which():
+    exact = toy_plan("ppipe", toy_cluster(3, 10))
+    assert exact.solver["mip_gap"] == 1e-6
+    assert exact.solver["status"] == "optimal" and exact.solver["gap"] <= 1e-6
+    loose = toy_plan("ppipe", toy_cluster(3, 10), mip_gap=0.05)
+    assert loose.solver["mip_gap"] == 0.05
+    if loose.solver["status"] == "optimal":
+        assert loose.solver["gap"] <= 0.05
+    assert loose.normalized_throughput >= exact.normalized_throughput * (1 - 0.05)
+    assert loose.solver["bound"] >= exact.normalized_throughput * (1 - 1e-6)
+
+
 def test_np_uses_one_partition_on_whole_gpus():
     plan = toy_plan("np")
     for m in plan.models:
