@@ -57,9 +57,18 @@ MAX_MODELS = 8
 _ORACLE_S = 5.0
 # ... and with its pools' GPUs fixed at the fractional-vGPU optimum's.
 _FIXED_S = 0.5
+# ... and asked only whether it can do with at most a given count (see _Oracle.refute).
+_REFUTE_S = 1.0
 # CBC settings of the per-model MILPs: without cuts, 0.7 s against 1.35 s on four hard points
 # of a 3-type group (CBC's times on these vary a lot with its settings: 3-30 s on convnext's).
 _CBC_OPTS: dict = {"cuts": 0}
+# ... and of its refutations, when the quick try (the count minimized, no cuts, up to
+# _REFUTE_QUICK_S) did not settle one: no objective (any plan within the count will do) and
+# CBC's light cuts; at three hard efficientnet-b8 points 0.26-0.42 s against 0.67-2.35 s with
+# the count minimized and no cuts (0.40-0.55 s with automatic cuts), but the cuts cost 0.3-0.5
+# s where the quick try refutes in tens of ms (most points far below the optimum).
+_REFUTE_OPTS: dict = {"cuts": 1}
+_REFUTE_QUICK_S = 0.08
 
 
 @dataclass
@@ -135,6 +144,8 @@ class _Oracle:
         # what the caller knows already (the fractional-vGPU bound, the neighbours' values):
         # CBC's root bound starts there, and where a plan meets it, it is done at once
         self.known_row = m.add_constr(mip.xsum(self.last_gpus) >= 0.0)
+        self.most = cluster.gpus[last].count + 1
+        self.most_row = m.add_constr(mip.xsum(self.last_gpus) <= self.most)
         m.objective = mip.minimize(mip.xsum(self.last_gpus))
         m.max_mip_gap = 1e-9
         m.max_mip_gap_abs = 0.5  # the objective counts whole GPUs
@@ -145,6 +156,32 @@ class _Oracle:
             setattr(m, k, v)
         self.m = m
         self.calls = 0
+
+    def refute(self, caps: tuple[int, ...], demand: float, most: int, limit_s: float
+               ) -> tuple[float, float, list | None]:
+        """Whether the model can do with at most ``most`` GPUs of the last type: the answer
+        of :meth:`solve` restricted so, where "infeasible" proves the fewest above ``most``.
+        Why: far below the optimum CBC refutes such a count in tens of ms, while its proof of
+        the optimum itself can take seconds to minutes (efficientnet-b8, L4 <= 7, V100 <= 14:
+        <= 12 refuted in 0.08 s, the optimum 14 proven in 14-17 s), and a test of ``z`` often
+        needs only the lower bound raised a step or two."""
+        m = self.m
+        self.most_row.rhs = most
+        try:
+            t0 = time.perf_counter()
+            r = self.solve(caps, demand, min(_REFUTE_QUICK_S, limit_s))
+            left = limit_s - (time.perf_counter() - t0)
+            if r[2] is not None or r[0] == INF or left <= 0.05:
+                return r
+            m.objective = mip.minimize(mip.LinExpr(const=0.0))
+            for k, v in _REFUTE_OPTS.items():
+                setattr(m, k, v)
+            return self.solve(caps, demand, left)
+        finally:
+            self.most_row.rhs = self.most
+            m.objective = mip.minimize(mip.xsum(self.last_gpus))
+            for k, v in _CBC_OPTS.items():
+                setattr(m, k, v)
 
     def solve(self, caps: tuple[int, ...], demand: float, limit_s: float, known: float = 0.0,
               fixed: dict[tuple[int, str], int] | None = None) -> tuple[float, float, list | None]:
@@ -310,6 +347,8 @@ class _State:
         SRC = np.full((M, g.size), -1, dtype=np.int64)
         fluid_done = np.zeros((M, g.size), dtype=np.bool_)
         fluid_pools: dict[tuple[int, int], tuple[float, dict]] = {}  # its bound and whole pools
+        climb_done = np.zeros((M, g.size), dtype=np.bool_)
+        exact_s = np.full((M, g.size), _ORACLE_S)  # a point's next exact MILP may take this long
         exact_done = np.zeros((M, g.size), dtype=np.bool_)
         demands = [self.weights[m] * z for m in self.models]
         for i, m in enumerate(self.models):
@@ -340,15 +379,29 @@ class _State:
                     continue
                 left = self.deadline - time.perf_counter()
                 caps = g.caps(p)
-                if exact:
-                    lo, val, picks = INF, INF, None
-                    if (i, p) in fluid_pools and LB[i, p] == fluid_pools[(i, p)][0]:
+                climbing = exact and not climb_done[i, p]
+                lo, val, picks = INF, INF, None
+                if exact and (i, p) in fluid_pools:
+                    fixed_lo, pools_at = fluid_pools.pop((i, p))
+                    if LB[i, p] == fixed_lo:
                         # where the fractional bound binds, whole vGPUs usually fill its pools
                         # (CBC took 30 s to find such a plan on its own, 0.1 s this way)
                         lo, val, picks = self.oracles[m].solve(caps, demands[i], min(_FIXED_S, left), LB[i, p],
-                                                               fluid_pools[(i, p)][1])
-                    if picks is None:
-                        lo, val, picks = self.oracles[m].solve(caps, demands[i], min(_ORACLE_S, left), LB[i, p])
+                                                               pools_at)
+                if picks is not None:
+                    climbing = False
+                elif climbing:
+                    # one step up from the lower bound: refuted, the bound rises by one and the
+                    # split is looked at again (it may no longer need this point)
+                    most = int(LB[i, p])
+                    lo, val, picks = self.oracles[m].refute(caps, demands[i], most, min(_REFUTE_S, left))
+                    if picks is None and lo == INF:
+                        lo = most + 1.0
+                    else:
+                        lo = LB[i, p]  # out of time, or a plan within the bound: it is exact
+                        climb_done[i, p] = True
+                elif exact:
+                    lo, val, picks = self.oracles[m].solve(caps, demands[i], min(exact_s[i, p], left), LB[i, p])
                 else:
                     mp = self.pools[m]
                     lo, G = min_capped(mp, self.last, dict(zip(self.others, caps, strict=True)), demands[i])
@@ -358,7 +411,10 @@ class _State:
                         fluid_pools[(i, p)] = (lo, {key: int(round(n)) for key, n in zip(mp.pools, G, strict=True)})
                     val, picks = INF, None
                     self.fluid_solves += 1
-                (exact_done if exact else fluid_done)[i, p] = True
+                if not exact:
+                    fluid_done[i, p] = True
+                elif not climbing or picks is not None:
+                    exact_done[i, p] = True
                 progress = True
                 if lo > LB[i, p]:
                     _lift_lower(LB[i], g.dims, g.strides, p, lo)
@@ -378,7 +434,17 @@ class _State:
                         _cap_upper(UB[i], SRC[i], g.dims, g.strides, p, val, len(self.seen[m]) - 1)
                         upper.changed(i)
             if not progress:
-                return None, []  # an exact MILP ran out of time on a point the split needs
+                # an exact MILP ran out of time on a point the split needs: again, twice as
+                # long, while the deadline allows (efficientnet-b8 at L4 <= 8, V100 <= 8: 3 s)
+                left = self.deadline - time.perf_counter()
+                for i in range(M):
+                    p = int(pts[i])
+                    if LB[i, p] < UB[i, p] and exact_done[i, p] and 2 * exact_s[i, p] <= 4 * left:
+                        exact_done[i, p] = False
+                        exact_s[i, p] *= 2
+                        progress = True
+                if not progress:
+                    return None, []
 
     def _picks(self, SRC, pts) -> list:
         out = []
