@@ -15,7 +15,10 @@ above on every ``a >= p``.
 The tables are filled lazily, cheapest bound first, only where the convolution's best split
 needs them: a priced bound everywhere (the Lagrangian cost of :mod:`.lagrange` at a few price
 vectors), then, at a point the split uses, the model's MILP with fractional vGPUs (whole GPUs
-kept), then its exact MILP. When the best split's values are all exact and fit, its solutions
+kept), then refutations of "at most LB GPUs of the last type", each raising the point's lower
+bound LB by one and letting the split move elsewhere (CBC refutes a count below the optimum in
+tens of ms, where proving the optimum can take it seconds), then its exact MILP. When the best
+split's values are all exact and fit, its solutions
 are a plan serving ``z``; when even its lower bounds exceed ``B_last``, nothing serves ``z``.
 A bisection on ``z`` between an incumbent and a bound ends with a plan proven optimal (where
 the whole problem's MILP may take minutes to prove the same: it does not know the models are
