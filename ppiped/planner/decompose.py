@@ -147,8 +147,9 @@ class _Oracle:
         # what the caller knows already (the fractional-vGPU bound, the neighbours' values):
         # CBC's root bound starts there, and where a plan meets it, it is done at once
         self.known_row = m.add_constr(mip.xsum(self.last_gpus) >= 0.0)
-        self.most = cluster.gpus[last].count + 1
-        self.most_row = m.add_constr(mip.xsum(self.last_gpus) <= self.most)
+        # a refutation's cap on them; outside one, the sum of the pools' own bounds (never binding)
+        self.no_most = (cluster.gpus[last].count + 1) * len(self.last_gpus)
+        self.most_row = m.add_constr(mip.xsum(self.last_gpus) <= self.no_most)
         m.objective = mip.minimize(mip.xsum(self.last_gpus))
         m.max_mip_gap = 1e-9
         m.max_mip_gap_abs = 0.5  # the objective counts whole GPUs
@@ -181,7 +182,7 @@ class _Oracle:
                 setattr(m, k, v)
             return self.solve(caps, demand, left)
         finally:
-            self.most_row.rhs = self.most
+            self.most_row.rhs = self.no_most
             m.objective = mip.minimize(mip.xsum(self.last_gpus))
             for k, v in _CBC_OPTS.items():
                 setattr(m, k, v)
@@ -401,7 +402,9 @@ class _State:
                     if picks is None and lo == INF:
                         lo = most + 1.0
                     else:
-                        lo = LB[i, p]  # out of time, or a plan within the bound: it is exact
+                        # out of time (the exact MILP comes next), or a plan within the bound
+                        # (the bound is then its value: the point is settled)
+                        lo = LB[i, p]
                         climb_done[i, p] = True
                 elif exact:
                     lo, val, picks = self.oracles[m].solve(caps, demands[i], min(exact_s[i, p], left), LB[i, p])
