@@ -13,11 +13,14 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, example, given, note, settings
 from hypothesis import strategies as st
 from test_planner_lagrange import TYPES, instances
 
+from ppiped.cluster import cluster_from_flags
 from ppiped.planner import decompose, lagrange, milp
+from ppiped.planner.configs import PipelineConfig, Segment
+from ppiped.planner.milp import Allocation, gpu_budget_used
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -70,12 +73,42 @@ def test_the_capped_oracle_matches_brute_force(inst, caps, share):
         assert want - 1e-6 <= got <= want + 1e-6
 
 
+def _one_model(counts: str, *pipelines: tuple[tuple[str, float], ...]):
+    """A one-model instance: each pipeline a tuple of (GPU type, req/s per vGPU) partitions."""
+    cs = [PipelineConfig("m0", 1, tuple(Segment(k, k + 1, g, 1, 1.0, 0.0, r) for k, (g, r) in enumerate(p)),
+                         1.0) for p in pipelines]
+    return {"m0": cs}, {"m0": 0.5}, cluster_from_flags(counts, "1,1,1", "4,4,4", 10.0)
+
+
+@pytest.mark.parametrize("quick", [decompose._REFUTE_QUICK_S, 0.0], ids=["quick-try-first", "cutoff-only"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(inst=instances(max_models=1), caps=st.lists(st.integers(0, 6), min_size=2, max_size=2),
        share=st.floats(0.05, 1.1))
-def test_a_refutation_agrees_with_the_exact_oracle(inst, caps, share):
+# where CBC, under the cutoff, said "optimal" with no plan and nothing reached the cutoff
+@example(inst=_one_model("A:2,B:2,C:2", (("A", 10.0), ("A", 10.0)), (("B", 10.0), ("C", 10.0))),
+         caps=[1, 1], share=0.0625)
+# ... the same, where a plan did reach it
+@example(inst=_one_model("A:3,B:2,C:2", (("A", 10.0), ("A", 10.0)), (("B", 11.0),), (("B", 59.5),), (("A", 10.0),),
+                         (("A", 40.0),), (("A", 88.0), ("B", 113.0))), caps=[4, 6], share=0.3125)
+# ... where it handed back vGPUs in pools without their GPUs
+@example(inst=_one_model("A:2,B:2,C:2", (("A", 10.0), ("A", 10.0)), (("B", 10.0),)), caps=[1, 2], share=0.5)
+# ... and where a cutoff 2e-5 under the demand lost the plan serving just it
+@example(inst=_one_model("A:2,B:2,C:2", (("A", 10.0),), (("B", 10.0),)), caps=[0, 2], share=0.5)
+def test_a_refutation_agrees_with_the_exact_oracle(quick, inst, caps, share):
     """A count of T - 1 GPUs of the last type is refuted and one of T is not, where T is
-    the exact per-model MILP's fewest; the oracle answers its full question again afterwards."""
+    the exact per-model MILP's fewest; the oracle answers its full question again afterwards.
+    Small instances settle in the quick try, so the cutoff form (the most served, nodes below
+    the demand cut off) is also run alone; a plan it hands back must keep to the caps and the
+    count (CBC once handed back one that did not)."""
+    saved = decompose._REFUTE_QUICK_S
+    decompose._REFUTE_QUICK_S = quick
+    try:
+        _refutation_agrees(inst, caps, share)
+    finally:
+        decompose._REFUTE_QUICK_S = saved
+
+
+def _refutation_agrees(inst, caps, share):
     configs, _, cluster = inst
     (name, cs), = configs.items()
     mp = lagrange.model_pools(name, cs, cluster)
@@ -90,9 +123,12 @@ def test_a_refutation_agrees_with_the_exact_oracle(inst, caps, share):
     if val >= 1:
         lo_r, _, picks = oracle.refute(caps, demand, int(val) - 1, 30.0)
         assert picks is None and lo_r == math.inf, "a count below the fewest was not refuted"
-    _, val_r, picks = oracle.refute(caps, demand, int(val), 30.0)
+    lo_r, val_r, picks = oracle.refute(caps, demand, int(val), 30.0)
+    assert lo_r != math.inf, "the fewest count was refuted"
     assert picks is not None and val_r <= val
     assert decompose._served(picks) >= demand * (1 - 1e-6)
+    used = gpu_budget_used([Allocation(c, n) for c, n in picks])
+    assert used.get(last, 0) <= val and all(used.get(g, 0) <= k for g, k in zip(others, caps, strict=True))
     assert oracle.solve(caps, demand, 30.0)[1] == val
 
 

@@ -65,13 +65,17 @@ _REFUTE_S = 1.0
 # CBC settings of the per-model MILPs: without cuts, 0.7 s against 1.35 s on four hard points
 # of a 3-type group (CBC's times on these vary a lot with its settings: 3-30 s on convnext's).
 _CBC_OPTS: dict = {"cuts": 0}
-# ... and of its refutations, when the quick try (the count minimized, no cuts, up to
-# _REFUTE_QUICK_S) did not settle one: no objective (any plan within the count will do) and
-# CBC's light cuts; at three hard efficientnet-b8 points 0.26-0.42 s against 0.67-2.35 s with
-# the count minimized and no cuts (0.40-0.55 s with automatic cuts), but the cuts cost 0.3-0.5
-# s where the quick try refutes in tens of ms (most points far below the optimum).
-_REFUTE_OPTS: dict = {"cuts": 1}
+# A refutation first tries the usual minimization this long: it finds a plan within the count
+# where there is one (the cutoff form of _Oracle._reach is slow at that), and refutes counts far
+# below the optimum in tens of ms.
 _REFUTE_QUICK_S = 0.08
+# The cutoff form refutes "serves at least (1 - this) x the demand, less _ABS req/s": a hair
+# below it, since CBC keeps only what beats its cutoff by a tolerance of its own (a plan serving
+# exactly 20 req/s was lost to a cutoff 2e-5 below it, found under one 1e-4 below).
+_REACH_SLACK = 1e-6
+_REACH_SLACK_ABS = 1e-3
+# What CBC reports as the objective of an incumbent it does not have (1e50).
+_NO_VALUE = 1e30
 
 
 @dataclass
@@ -133,7 +137,8 @@ class _Oracle:
                 pools[(d, s.gpu)].append((s.split, n))
             self.xs.append((c, ns))
             xs.append(x)
-        self.demand_row = m.add_constr(mip.xsum(xs) >= 0.0)
+        self.served = mip.xsum(xs)
+        self.demand_row = m.add_constr(self.served >= 0.0)
         per_type: dict[str, list[mip.Var]] = defaultdict(list)
         self.pool_gpus: dict[tuple[int, str], mip.Var] = {}
         for (d, g), terms in pools.items():
@@ -169,23 +174,96 @@ class _Oracle:
         the optimum itself can take seconds to minutes (efficientnet-b8, L4 <= 7, V100 <= 14:
         <= 12 refuted in 0.08 s, the optimum 14 proven in 14-17 s), and a test of ``z`` often
         needs only the lower bound raised a step or two."""
-        m = self.m
         self.most_row.rhs = most
         try:
             t0 = time.perf_counter()
-            r = self.solve(caps, demand, min(_REFUTE_QUICK_S, limit_s))
+            if _REFUTE_QUICK_S > 0:
+                r = self.solve(caps, demand, min(_REFUTE_QUICK_S, limit_s))
+                if r[2] is not None or r[0] == INF:
+                    return r
             left = limit_s - (time.perf_counter() - t0)
-            if r[2] is not None or r[0] == INF or left <= 0.05:
-                return r
-            m.objective = mip.minimize(mip.LinExpr(const=0.0))
-            for k, v in _REFUTE_OPTS.items():
-                setattr(m, k, v)
-            return self.solve(caps, demand, left)
+            if left <= 0.05:
+                return 0.0, INF, None
+            return self._reach(caps, demand, left)
         finally:
             self.most_row.rhs = self.no_most
+
+    def _reach(self, caps: tuple[int, ...], demand: float, limit_s: float) -> tuple[float, float, list | None]:
+        """The most the model serves under the rows as they stand, with every node that cannot
+        reach ``demand`` cut off: (inf, inf, None) when none can, else the first plan that does
+        (or none, out of time). CBC prunes by that bound, where the demand as a row leaves it
+        only infeasible LPs to prune by (efficientnet-b8 at z = 1,082: six hard refutations in
+        0.34 s against 3.95 s), but it finds a plan that exists more slowly than the
+        minimization does (the quick try in :meth:`refute`)."""
+        m = self.m
+        self.calls += 1
+        self._pose(caps, 0.0, 0.0)
+        cutoff, max_solutions = m.cutoff, m.solver.get_max_solutions()
+        gaps = m.max_mip_gap, m.max_mip_gap_abs
+        target = demand * (1 - _REACH_SLACK) - _REACH_SLACK_ABS
+        t0 = time.perf_counter()
+        m.objective = mip.maximize(self.served)
+        # no gap: the count's whole-GPU gap of 0.5 would prune nodes within 0.5 req/s above
+        # the cutoff; and the cutoff a little under the demand, so that a plan serving just it
+        # is not lost to CBC's tolerances (a false refutation would be an invalid bound)
+        m.max_mip_gap, m.max_mip_gap_abs = 0.0, 0.0
+        m.cutoff = target
+        m.solver.set_max_solutions(1)
+        try:
+            st = m.optimize(max_seconds=max(0.05, limit_s))
+            if st == mip.OptimizationStatus.INFEASIBLE:
+                return INF, INF, None
+            plan = self._plan_reaching(m, target, caps)
+            if plan is not None or st != mip.OptimizationStatus.OPTIMAL:
+                return plan or (0.0, INF, None)
+            # CBC also closes the tree as "optimal" with no plan or one that breaks the rows
+            # (an objective of 1e50, or vGPUs in pools without their GPUs), both where nothing
+            # reaches the cutoff and where a plan does (one serving 178.5 of 113.2 req/s was
+            # there): then the plain maximum decides
+            m.cutoff = cutoff
+            m.solver.set_max_solutions(max_solutions)
+            left = limit_s - (time.perf_counter() - t0)
+            if left <= 0.05:
+                return 0.0, INF, None
+            st = m.optimize(max_seconds=left)
+            if st == mip.OptimizationStatus.OPTIMAL and self._valued(m) and m.objective_value < target:
+                return INF, INF, None
+            return self._plan_reaching(m, target, caps) or (0.0, INF, None)
+        finally:
+            m.cutoff = cutoff
+            m.max_mip_gap, m.max_mip_gap_abs = gaps
+            m.solver.set_max_solutions(max_solutions)
             m.objective = mip.minimize(mip.xsum(self.last_gpus))
-            for k, v in _CBC_OPTS.items():
-                setattr(m, k, v)
+
+    def _plan_reaching(self, m: mip.Model, target: float, caps: tuple[int, ...]) -> tuple | None:
+        """CBC's solution as (0, count, picks) if it serves ``target`` within the rows, else None."""
+        if not self._valued(m) or m.objective_value < target:
+            return None
+        picks = self._picks()
+        if _served(picks) < target or not self._within(picks, caps, self.most_row.rhs):
+            return None
+        return 0.0, float(round(sum(v.x for v in self.last_gpus))), picks
+
+    @staticmethod
+    def _valued(m: mip.Model) -> bool:
+        """Whether CBC holds a solution with a real objective value."""
+        return bool(m.num_solutions) and m.objective_value is not None and abs(m.objective_value) < _NO_VALUE
+
+    def _within(self, picks: list, caps: tuple[int, ...], most: float) -> bool:
+        """Whether a plan keeps to the caps and the count, under PPipe's GPU rounding (a check
+        on what CBC hands back, not a trust in it)."""
+        from .milp import gpu_budget_used  # milp imports this module
+
+        used = gpu_budget_used(_allocs(picks))
+        return used.get(self.last, 0) <= most and all(
+            used.get(g, 0) <= cap for g, cap in zip(self.others, caps, strict=True))
+
+    def _pose(self, caps: tuple[int, ...], demand: float, known: float) -> None:
+        self.demand_row.rhs = demand
+        self.known_row.rhs = known if math.isfinite(known) else 0.0
+        for g, cap in zip(self.others, caps, strict=True):
+            if g in self.cap_rows:
+                self.cap_rows[g].rhs = cap
 
     def solve(self, caps: tuple[int, ...], demand: float, limit_s: float, known: float = 0.0,
               fixed: dict[tuple[int, str], int] | None = None) -> tuple[float, float, list | None]:
@@ -195,11 +273,7 @@ class _Oracle:
         if fixed is not None:  # the pools' GPUs fixed: whether whole vGPUs fill them
             for key, G in self.pool_gpus.items():
                 G.lb = G.ub = fixed.get(key, 0)
-        self.demand_row.rhs = demand
-        self.known_row.rhs = known if math.isfinite(known) else 0.0
-        for g, cap in zip(self.others, caps, strict=True):
-            if g in self.cap_rows:
-                self.cap_rows[g].rhs = cap
+        self._pose(caps, demand, known)
         m = self.m
         st = m.optimize(max_seconds=max(0.05, limit_s))
         if fixed is not None:
@@ -216,12 +290,16 @@ class _Oracle:
         val = float(round(sum(v.x for v in self.last_gpus)))
         if st == mip.OptimizationStatus.OPTIMAL:
             lo = max(lo, val)  # the gap tolerance is below one GPU
+        return min(lo, val), val, self._picks()
+
+    def _picks(self) -> list:
+        """The current solution's (config, counts) list."""
         picks = []
         for c, ns in self.xs:
             counts = tuple(int(round(n.x)) for n in ns)
             if min(counts) > 0:
                 picks.append((c, counts))
-        return min(lo, val), val, picks
+        return picks
 
 
 def _shape(configs: dict[str, list[PipelineConfig]], cluster: Cluster) -> tuple[str, list[str], _Grid] | None:
