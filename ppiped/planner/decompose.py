@@ -177,14 +177,13 @@ class _Oracle:
         self.most_row.rhs = most
         try:
             t0 = time.perf_counter()
+            r = (0.0, INF, None)
             if _REFUTE_QUICK_S > 0:
                 r = self.solve(caps, demand, min(_REFUTE_QUICK_S, limit_s))
                 if r[2] is not None or r[0] == INF:
                     return r
             left = limit_s - (time.perf_counter() - t0)
-            if left <= 0.05:
-                return 0.0, INF, None
-            return self._reach(caps, demand, left)
+            return self._reach(caps, demand, left) if left > 0.05 else r
         finally:
             self.most_row.rhs = self.no_most
 
