@@ -153,11 +153,12 @@ class _Oracle:
         self.last_gpus = per_type.get(last, [])
         # what the caller knows already (the fractional-vGPU bound, the neighbours' values):
         # CBC's root bound starts there, and where a plan meets it, it is done at once
-        self.known_row = m.add_constr(mip.xsum(self.last_gpus) >= 0.0)
+        self.count = mip.xsum(self.last_gpus)
+        self.known_row = m.add_constr(self.count >= 0.0)
         # a refutation's cap on them; outside one, the sum of the pools' own bounds (never binding)
         self.no_most = (cluster.gpus[last].count + 1) * len(self.last_gpus)
-        self.most_row = m.add_constr(mip.xsum(self.last_gpus) <= self.no_most)
-        m.objective = mip.minimize(mip.xsum(self.last_gpus))
+        self.most_row = m.add_constr(self.count <= self.no_most)
+        m.objective = mip.minimize(self.count)
         m.max_mip_gap = 1e-9
         m.max_mip_gap_abs = 0.5  # the objective counts whole GPUs
         # with CBC's default (1e-6 of a vGPU, it seems) demands up to 1e-5 of a vGPU's rate above a
@@ -215,12 +216,12 @@ class _Oracle:
             if st == mip.OptimizationStatus.INFEASIBLE:
                 return INF, INF, None
             plan = self._plan_reaching(m, target, caps)
-            if plan is not None or st != mip.OptimizationStatus.OPTIMAL:
+            if plan is not None or (st != mip.OptimizationStatus.OPTIMAL and not m.num_solutions):
                 return plan or (0.0, INF, None)
-            # CBC also closes the tree as "optimal" with no plan or one that breaks the rows
-            # (an objective of 1e50, or vGPUs in pools without their GPUs), both where nothing
-            # reaches the cutoff and where a plan does (one serving 178.5 of 113.2 req/s was
-            # there): then the plain maximum decides
+            # CBC also closes the tree as "optimal" with no plan, and hands back plans that
+            # break the rows (an objective of 1e50, or vGPUs in pools without their GPUs), both
+            # where nothing reaches the cutoff and where a plan does (one serving 178.5 of
+            # 113.2 req/s was there): then the plain maximum decides
             m.cutoff = cutoff
             m.solver.set_max_solutions(max_solutions)
             left = limit_s - (time.perf_counter() - t0)
@@ -234,30 +235,35 @@ class _Oracle:
             m.cutoff = cutoff
             m.max_mip_gap, m.max_mip_gap_abs = gaps
             m.solver.set_max_solutions(max_solutions)
-            m.objective = mip.minimize(mip.xsum(self.last_gpus))
+            m.objective = mip.minimize(self.count)
 
     def _plan_reaching(self, m: mip.Model, target: float, caps: tuple[int, ...]) -> tuple | None:
-        """CBC's solution as (0, count, picks) if it serves ``target`` within the rows, else None."""
+        """CBC's solution as (0, count, picks) if it serves ``target`` within the rows, else None.
+        The count is the plan's own GPUs of the last type: under the cutoff CBC has handed back
+        vGPUs in pools whose GPU counts did not hold them, so its GPU variables can understate
+        what the plan needs (a split then fit that broke PPipe's rule)."""
         if not self._valued(m) or m.objective_value < target:
             return None
         picks = self._picks()
-        if _served(picks) < target or not self._within(picks, caps, self.most_row.rhs):
+        if _served(picks) < target:
             return None
-        return 0.0, float(round(sum(v.x for v in self.last_gpus))), picks
+        used = self._used(picks)
+        if used.get(self.last, 0) > self.most_row.rhs or any(
+                used.get(g, 0) > cap for g, cap in zip(self.others, caps, strict=True)):
+            return None
+        return 0.0, float(used.get(self.last, 0)), picks
 
     @staticmethod
     def _valued(m: mip.Model) -> bool:
         """Whether CBC holds a solution with a real objective value."""
         return bool(m.num_solutions) and m.objective_value is not None and abs(m.objective_value) < _NO_VALUE
 
-    def _within(self, picks: list, caps: tuple[int, ...], most: float) -> bool:
-        """Whether a plan keeps to the caps and the count, under PPipe's GPU rounding (a check
-        on what CBC hands back, not a trust in it)."""
+    @staticmethod
+    def _used(picks: list) -> dict[str, int]:
+        """A plan's GPUs per type under PPipe's rounding (a check on what CBC hands back)."""
         from .milp import gpu_budget_used  # milp imports this module
 
-        used = gpu_budget_used(_allocs(picks))
-        return used.get(self.last, 0) <= most and all(
-            used.get(g, 0) <= cap for g, cap in zip(self.others, caps, strict=True))
+        return gpu_budget_used(_allocs(picks))
 
     def _pose(self, caps: tuple[int, ...], demand: float, known: float) -> None:
         self.demand_row.rhs = demand
@@ -292,10 +298,14 @@ class _Oracle:
         lo = lo if math.isfinite(lo) else 0.0
         if not m.num_solutions:
             return max(0.0, lo), INF, None
-        val = float(round(sum(v.x for v in self.last_gpus)))
+        val = self._count()
         if st == mip.OptimizationStatus.OPTIMAL:
             lo = max(lo, val)  # the gap tolerance is below one GPU
         return min(lo, val), val, self._picks()
+
+    def _count(self) -> float:
+        """The current solution's GPUs of the last type."""
+        return float(round(sum(v.x for v in self.last_gpus)))
 
     def _picks(self) -> list:
         """The current solution's (config, counts) list."""
