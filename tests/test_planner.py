@@ -288,6 +288,51 @@ def test_plan_async_keeps_the_event_loop_running():
     assert ticks > 0
 
 
+def _three_type_world():
+    """Three models on three GPU types (A fast, B middling, C slow and the most numerous), each
+    model's blocks faring differently on each type: a world where the exact search over per-model
+    GPU vectors (:mod:`ppiped.planner.decompose`) runs beside the full MILP."""
+    def prof(name, scale, boundary, affinity):
+        base = np.array([3000.0, 5000.0, 4000.0, 2000.0]) * scale
+        per_bs = 1 + 0.55 * np.arange(4)
+
+        def lat(mult, split, k):
+            return np.outer(base * mult * np.array(affinity[k]) * (1 + 0.7 * (split - 1)), per_bs)
+
+        latency = {"A": {1: lat(1.0, 1, 0), 2: lat(1.0, 2, 0)[:, :2]},
+                   "B": {1: lat(1.7, 1, 1), 2: lat(1.7, 2, 1)[:, :3]}, "C": {1: lat(2.6, 1, 2)}}
+        whole = {g: float(latency[g][1][:, 0].sum()) for g in latency}
+        return Profile(name, 4, latency, np.array(boundary, dtype=float), whole)
+
+    flat = [1.0, 1.0, 1.0, 1.0]
+    profiles = {
+        "alpha": prof("alpha", 1.0, [600_000, 300_000, 150_000], [flat, [0.8, 1.2, 1.1, 0.7], [1.3, 0.8, 0.9, 1.2]]),
+        "beta": prof("beta", 1.4, [200_000, 800_000, 100_000], [flat, [1.2, 0.7, 0.8, 1.3], [0.7, 1.3, 1.2, 0.9]]),
+        "gamma": prof("gamma", 0.8, [400_000, 500_000, 300_000], [flat, [1.0, 0.9, 1.3, 0.8], [1.1, 1.1, 0.7, 1.0]]),
+    }
+    cluster = cluster_from_json({"nic_gbps": 10, "gpus": {
+        "A": {"count": 5, "per_server": 2, "splits": [1, 2]},
+        "B": {"count": 6, "per_server": 2, "splits": [1, 2]},
+        "C": {"count": 12, "per_server": 4, "splits": [1]}}})
+    return profiles, sorted(profiles), [1.0, 0.6, 0.8], cluster, [400.0, 300.0, 500.0]
+
+
+def test_a_replan_child_plans_three_gpu_types_with_the_search():
+    """The daemon replans in a child (:func:`plan_in_subprocess`); with three GPU types that
+    child runs the exact search in a grandchild beside CBC's, and must end with the same proven
+    optimum as planning in process, a plan that passes the checker."""
+    profiles, models, weights, cluster, rates = _three_type_world()
+    here = plan_cluster(profiles, models, weights, cluster, TOY_PARAMS, "ppipe", 20.0, rates)
+    child = plan_in_subprocess(make_request(profiles, models, weights, cluster, TOY_PARAMS, "ppipe", 20.0,
+                                            rates))
+    for plan in (here, child):
+        assert check(plan, profiles) == []
+        assert plan.solver["status"] == "optimal"
+        assert isinstance(plan.solver.get("decompose"), dict) and plan.solver["decompose"]["tests"]
+    assert child.normalized_throughput == pytest.approx(here.normalized_throughput, rel=1e-6)
+    assert {q.gpu for m in child.models for p in m.pipelines for q in p.partitions} == {"A", "B", "C"}
+
+
 # --- the CLI ----------------------------------------------------------------------------------
 
 

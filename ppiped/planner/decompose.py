@@ -298,14 +298,16 @@ class _Oracle:
         lo = lo if math.isfinite(lo) else 0.0
         if not m.num_solutions:
             return max(0.0, lo), INF, None
-        val = self._count()
         if st == mip.OptimizationStatus.OPTIMAL:
-            lo = max(lo, val)  # the gap tolerance is below one GPU
-        return min(lo, val), val, self._picks()
-
-    def _count(self) -> float:
-        """The current solution's GPUs of the last type."""
-        return float(round(sum(v.x for v in self.last_gpus)))
+            lo = max(lo, float(round(sum(v.x for v in self.last_gpus))))  # the gap is below one GPU
+        # the plan is judged and counted by its own GPUs under PPipe's rounding, not by CBC's GPU
+        # variables (under a cutoff those understated a fractional solution's; never trusted)
+        picks = self._picks()
+        used = self._used(picks)
+        if any(used.get(g, 0) > cap for g, cap in zip(self.others, caps, strict=True)):
+            return max(0.0, lo), INF, None
+        val = float(used.get(self.last, 0))
+        return min(lo, val), val, picks
 
     def _picks(self) -> list:
         """The current solution's (config, counts) list."""
