@@ -61,7 +61,7 @@ class Task:
 
 def _sweep(task: Task, plans_dir: str, models_dir: str, duration: float, seed: int, sigma: float,
            target: float, early: float, cv: float, nic: bool, paper_metric: bool = False,
-           trace_scale: str = "stretch") -> dict:
+           trace_scale: str = "stretch", oracle: bool = False) -> dict:
     """One sweep in a worker process; returns its JSON line."""
     from ppiped.sim.run import PointSpec
     from ppiped.sim.sweep import sweep
@@ -69,13 +69,15 @@ def _sweep(task: Task, plans_dir: str, models_dir: str, duration: float, seed: i
     suffix, policy, starts = SYSTEMS[task.system]
     plan = str(Path(plans_dir) / f"{task.config}_{suffix}.json")
     spec = PointSpec(plan, models_dir, task.trace, duration, seed, policy, sigma, cv, early,
-                     str(Path(plans_dir) / f"{task.config}_v4.json"), target, nic, trace_scale)
+                     str(Path(plans_dir) / f"{task.config}_v4.json"), target, nic, trace_scale,
+                     oracle_latency=oracle)
     t0 = time.perf_counter()
     cpu0 = time.process_time()
     start = starts.get(task.trace, 0.5) if cv >= 3 or task.trace != "bursty" else 0.6
     sr = sweep(spec, target, 0.05, 0.01, start=start)
     out = {"config": task.config, "system": task.system, "plan": Path(plan).name, "policy": policy,
            "trace": task.trace, "cv": cv if task.trace == "bursty" else None, "duration_s": duration, "seed": seed, "jitter_sigma": sigma,
+           "oracle_latency": oracle,
            "max_load_factor": sr.max_load_factor, "runs": len(sr.points),
            "points": [[f, a] for f, a in sr.curve()]}
     if paper_metric:
@@ -142,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--no-nic", action="store_true",
                     help="transfers never queue on shared NICs (contention only in the core's reservations)")
+    ap.add_argument("--oracle-latency", action="store_true",
+                    help="diagnostic: the core books each inference at the latency it will take (an upper "
+                         "reference for better latency estimates under --jitter, not a policy)")
     ap.add_argument("--traces", default="poisson,bursty")
     ap.add_argument("--cv", type=float, default=2.0, help="bursty: coefficient of variation of the gaps (default 2)")
     ap.add_argument("--trace-scale", choices=("stretch", "fold"), default="stretch",
@@ -203,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[Task, dict] = {}
     ctx = multiprocessing.get_context("fork")
     args_common = (str(plans_dir), str(models_dir), args.duration, args.seed, args.jitter, args.target,
-                   args.start_early_us, args.cv, not args.no_nic, args.paper_metric, args.trace_scale)
+                   args.start_early_us, args.cv, not args.no_nic, args.paper_metric, args.trace_scale,
+                   args.oracle_latency)
     bar = tqdm(total=len(tasks), desc="figure6", unit="sweep", file=sys.stderr, dynamic_ncols=True)
     with ProcessPoolExecutor(max(1, args.jobs), mp_context=ctx) as pool:
         futs = {pool.submit(_sweep, t, *args_common): t for t in tasks}
@@ -231,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"configs": len(configs), "traces": traces, "systems": systems, "duration_s": args.duration,
                "seed": args.seed, "bursty_cv": args.cv, "jitter_sigma": args.jitter,
                "start_early_us": args.start_early_us, "nic_model": not args.no_nic,
+               "oracle_latency": args.oracle_latency,
                "target": args.target, "means": means, "paper": PAPER,
                "ppipe_over_np": {tr: _paired_ratio(table[tr].get("PPipe"), table[tr].get("NP")) for tr in traces},
                "paper_metric_means": paper_means,
@@ -339,7 +346,7 @@ def _plots(args, configs, names, table, traces, systems, plans_dir, models_dir, 
         suffix, policy, _ = SYSTEMS[s]
         spec = PointSpec(str(plans_dir / f"{c}_{suffix}.json"), str(models_dir), tr, args.duration, args.seed,
                          policy, args.jitter, args.cv, args.start_early_us, str(plans_dir / f"{c}_v4.json"), None,
-                         not args.no_nic, args.trace_scale)
+                         not args.no_nic, args.trace_scale, oracle_latency=args.oracle_latency)
         with ProcessPoolExecutor(max(1, args.jobs), mp_context=multiprocessing.get_context("fork")) as pool:
             curves[s] = [(f, o.attainment) for f, o in zip(lfs, pool.map(spec, lfs), strict=True)]
     paths.append(str(plot_attainment(curves, out / "figure7.png", title=f"{short_name(c)}, {tr}",
@@ -351,7 +358,7 @@ def _plots(args, configs, names, table, traces, systems, plans_dir, models_dir, 
         suffix, policy, _ = SYSTEMS[s]
         spec = PointSpec(str(plans_dir / f"{c}_{suffix}.json"), str(models_dir), tr, args.duration, args.seed,
                          policy, args.jitter, args.cv, args.start_early_us, str(plans_dir / f"{c}_v4.json"), None,
-                         not args.no_nic, args.trace_scale)
+                         not args.no_nic, args.trace_scale, oracle_latency=args.oracle_latency)
         res = spec.result(0.8, stop=False, timeline_us=window)
         from ppiped.plan import load_plan
 

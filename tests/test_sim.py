@@ -191,6 +191,27 @@ def test_growing_every_array_changes_nothing(policy):
     assert np.array_equal(small.r_end, big.r_end, equal_nan=True)
 
 
+@pytest.mark.parametrize("policy", ["ppipe", "pard"])
+def test_oracle_latency_books_what_each_inference_takes(policy):
+    """With every inference booked at the latency it will take, work-conserving executors end
+    each hop no later than booked, so nothing the core dispatched ends late, under noise and
+    overload alike; with learned margins the same noise makes some late. The noise is real in
+    both: the served latencies differ from the noise-free run's."""
+    plan, profs, tr = overload_case()
+    opt = SimOptions(sigma=0.3, oracle_latency=True)
+    oracle = Simulation(plan, profs, tr, policy, 2, 0.05, opt)
+    res = oracle.run()
+    m = res.models[0]
+    assert m.late == 0 and m.served > 0 and m.unfinished == 0
+    assert m.served + sum(m.drops.values()) == m.offered == len(tr)
+    learned = simulate(plan, profs, tr, policy, jitter=0.3, seed=2, duration_s=0.05)
+    assert learned.models[0].late > 0
+    quiet = Simulation(plan, profs, tr, policy, 2, 0.05, SimOptions(sigma=0.0, oracle_latency=True))
+    quiet.run()
+    ok = np.isfinite(oracle.r_end) & np.isfinite(quiet.r_end)
+    assert not np.allclose(oracle.r_end[ok] - oracle.arr_t[ok], quiet.r_end[ok] - quiet.arr_t[ok])
+
+
 def test_stop_below_target_stops_early_and_fails():
     plan, profs, tr = overload_case()
     full = simulate(plan, profs, tr, jitter=0.0, duration_s=0.05)

@@ -53,6 +53,9 @@ def add_world_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--noise-z", type=number(0, 10, hi_open=True), default=0.0,
                    help="deadline checks keep this many standard deviations of the path's latency "
                         "noise (default 0: none)")
+    p.add_argument("--oracle-latency", action="store_true",
+                   help="diagnostic: the core books each inference at the latency it will take (the "
+                        "jitter drawn ahead); an upper reference for better estimates, not a policy")
     p.add_argument("--base-plan", type=existing_file, help="plan whose per-model throughput is load factor 1.0 "
                                        "(default: the _v4 sibling of a reference plan, else the plan itself)")
 
@@ -67,7 +70,7 @@ def options_from(args: argparse.Namespace, **kw):
         raise InputError(f"unknown --policy {args.policy!r} (known: {', '.join(POLICIES)})")
     sigma = DEFAULT_SIGMA if args.jitter is None else args.jitter  # the flags' ranges: add_world_args
     return SimOptions(sigma=sigma, start_early_us=args.start_early_us, margin_quantile=args.margin_quantile,
-                      noise_z=args.noise_z, **kw)
+                      noise_z=args.noise_z, oracle_latency=args.oracle_latency, **kw)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -51,7 +51,7 @@ def point_spec(args: argparse.Namespace, plan: str):
     return PointSpec(plan, str(args.profiles), args.trace, args.duration, args.seed, args.policy, opt.sigma,
                      args.cv, opt.start_early_us, args.base_plan, None if args.plot else args.target,
                      opt.nic_fifo, args.trace_scale, args.high_share, args.cluster, opt.margin_quantile,
-                     opt.noise_z)
+                     opt.noise_z, opt.oracle_latency)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -71,6 +71,8 @@ from ..kernels.state import (
     X_OX_REASON,
     X_OX_RID,
     X_Q_DIRTY,
+    X_V_MARGIN,
+    X_V_MARGIN_HI,
     _voidptr,
     off,
 )
@@ -140,6 +142,7 @@ I_NIC = 21  # 1: transfers share the server NICs they use
 I_NIC_MAXN = 22  # most intervals a NIC row has held (growth check)
 I_STOP_LATE = 24  # 1: a query that failed spawns no more stages (0: hand-chained clients go on)
 I_NROOT = 23  # arrivals known up front (the rest are app stages, spawned by their parents)
+I_ORACLE = 25  # 1: the core books each inference at the latency it will take (SimOptions.oracle_latency)
 I_SIZE = 26
 
 # sf: float64 loop state
@@ -186,7 +189,8 @@ HF_READY = 2
 HF_START = 3
 HF_END = 4
 HF_TX = 5  # when the transfer into this hop started
-HF_SIZE = 6
+HF_FAC = 6  # the hop's latency factor, drawn when it was booked (oracle latency only)
+HF_SIZE = 7
 
 # request states
 R_PENDING = 0
@@ -353,9 +357,13 @@ def _try_start(si, sf, now, v, v_head, v_run, v_timer, v_busy, j_next, bi, bhf, 
     v_head[v] = j_next[j]
     v_run[v] = j
     v_timer[v] = INF
-    n = si[I_USES]
-    si[I_USES] = n + 1
-    dur = lat[v_pool[v], bi[b, BI_BS] - 1] * jitter(si[I_SEED], n, sf[G_SIGMA])
+    if si[I_ORACLE] != 0:
+        fac = bhf[b, k, HF_FAC]
+    else:
+        n = si[I_USES]
+        si[I_USES] = n + 1
+        fac = jitter(si[I_SEED], n, sf[G_SIGMA])
+    dur = lat[v_pool[v], bi[b, BI_BS] - 1] * fac
     end = now + dur
     bhf[b, k, HF_START] = now
     bhf[b, k, HF_END] = end
@@ -523,7 +531,7 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
              nic_s, nic_e, nic_n, nic_busy,
              et, es, ex, bi, bhi, bhf, breq, j_next,
              v_head, v_run, v_timer, v_busy, r_state, r_end, r_gpu, miss, rb_h, rb_f, tl_i, tl_f,
-             dq_i, dq_f, qm0, qm, q_fail, m_c0, m_cm, m_n, m_order, m_glue, m_share, rest_tmp):
+             dq_i, dq_f, qm0, qm, q_fail, m_c0, m_cm, m_n, m_order, m_glue, m_share, rest_tmp, v_fac):
     """Run until every request has ended (DONE), the miss budget is spent (STOPPED), or an array
     is full (a core ``FULL_*`` status or ``SIM_FULL_*``): then grow it and call again."""
     # owner-less views of every array (see kernels.state.raw): numba reference-counts owned
@@ -756,6 +764,13 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
         elif ph == PH_DECIDE:
             if si[I_NEED_DECIDE] != 0:
                 fresh = si[I_FRESH] != 0
+                if si[I_ORACLE] != 0:
+                    # the core's margins are each vGPU's next latency factor: it books exactly
+                    o_mg = off(A, X_V_MARGIN)
+                    o_hi = off(A, X_V_MARGIN_HI)
+                    for v in range(v_fac.shape[0]):
+                        F[o_mg + v] = v_fac[v]
+                        F[o_hi + v] = v_fac[v]
                 if reactive:
                     st, _, _, wake = K.decide_reactive(A, now, fresh)
                 else:
@@ -820,6 +835,12 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
                     bi[b, BI_FINAL] = A[od_final + d]
                     for k in range(nh):
                         bhi[b, k, HI_V] = A[od_path + d * pk + k]
+                        if si[I_ORACLE] != 0:
+                            v = bhi[b, k, HI_V]
+                            bhf[b, k, HF_FAC] = v_fac[v]
+                            n = si[I_USES]
+                            si[I_USES] = n + 1
+                            v_fac[v] = jitter(si[I_SEED], n, sf[G_SIGMA])
                         bhi[b, k, HI_UP] = -1
                         bhi[b, k, HI_DOWN] = -1
                         bhf[b, k, HF_T] = 0.0

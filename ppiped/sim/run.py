@@ -50,6 +50,10 @@ class SimOptions:
     takes bytes/bandwidth from the end of the upstream inference however many share the NIC, so
     NIC contention exists only in the core's reservations, which favours the reactive baseline
     that makes none.
+    ``oracle_latency``: the core books every inference at the latency it will take (each vGPU's
+    next jitter factor is drawn ahead and set as its margins before each decision, whatever
+    they learned from reports). Not a policy: an upper reference for what better latency estimates
+    could recover under ``sigma`` (``bench/figure6.py --oracle-latency``).
     """
 
     sigma: float = DEFAULT_SIGMA
@@ -68,6 +72,7 @@ class SimOptions:
     room_quantile: float = 0.995  # PARD: quantile of how late paths end that the learned room covers
     noise_z: float = 0.0  # deadline checks keep this many sds of the path's latency noise
     margin_quantile_hi: float = 0.99  # the margins' quantile while a model is under pressure and overloaded
+    oracle_latency: bool = False
 
 
 class Simulation:
@@ -124,6 +129,9 @@ class Simulation:
         si[E.I_SEED] = np.array([E.mix64(np.uint64(self.seed & (2**64 - 1)))], dtype=np.uint64).view(np.int64)[0]
         si[E.I_K] = Kd
         si[E.I_NIC] = int(opt.nic_fifo)
+        si[E.I_ORACLE] = int(opt.oracle_latency)
+        # oracle latency: each vGPU's first factor, from a stream of its own (counters 2^40 + v)
+        self.v_fac = np.array([E.jitter(si[E.I_SEED], (1 << 40) + v, opt.sigma) for v in range(V)])
         si[E.I_NROOT] = dag.n_roots
         si[E.I_STOP_LATE] = int(dag.stop_late)
         self.dq_i = dag.dq_i.copy()  # the loop moves a spawn's progress into it
@@ -220,7 +228,7 @@ class Simulation:
                 self.ex, self.bi, self.bhi, self.bhf, self.breq, self.j_next, self.v_head, self.v_run, self.v_timer, self.v_busy, self.r_state,
                 self.r_end, self.r_gpu, self.miss, self.rb_h, self.rb_f, self.tl_i, self.tl_f,
                 self.dq_i, self.dag.dq_f, self.dag.qm0, self.dag.qm, self.q_fail, self.dag.m_c0, self.dag.m_cm,
-                self.dag.m_n, self.dag.m_order, self.dag.m_glue, self.dag.m_share, self.rest_tmp)
+                self.dag.m_n, self.dag.m_order, self.dag.m_glue, self.dag.m_share, self.rest_tmp, self.v_fac)
             if st in (E.DONE, E.STOPPED):
                 break
             self._grow(st)
@@ -438,12 +446,14 @@ class PointSpec:
     cluster: str | None = None  # cluster spec for reference plans (default: from their names)
     margin_quantile: float = 0.9
     noise_z: float = 0.0
+    oracle_latency: bool = False  # see SimOptions
 
     def sim_options(self, stop: bool = True, timeline_us: tuple[float, float] | None = None) -> SimOptions:
         """The options of one run: the fields above, the early stop only when ``stop``."""
         return SimOptions(sigma=self.sigma, start_early_us=self.start_early_us,
                           stop_below=self.stop_below if stop else None, timeline_us=timeline_us,
-                          nic_fifo=self.nic_fifo, margin_quantile=self.margin_quantile, noise_z=self.noise_z)
+                          nic_fifo=self.nic_fifo, margin_quantile=self.margin_quantile, noise_z=self.noise_z,
+                          oracle_latency=self.oracle_latency)
 
     def result(self, load_factor: float, stop: bool = True, timeline_us: tuple[float, float] | None = None
                ) -> SimResult:
