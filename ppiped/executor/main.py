@@ -275,7 +275,8 @@ class Executor:
         self.hb_gen = 0
         self.exit_code = 0
         self.counters = {"batches": 0, "requests": 0, "forwarded": 0, "dropped_no_peer": 0,
-                         "bad_peer_messages": 0, "forwards_refused": 0, "bad_jobs": 0, "run_us": 0,
+                         "bad_peer_messages": 0, "forwards_refused": 0, "forwards_replayed": 0, "bad_jobs": 0,
+                         "run_us": 0,
                          "wait_us": 0, "loop_lag_max_us": 0}
         self.unreachable: set[int] = set()  # next hops given up on since the last heartbeat
         self.data_key = b""  # WELCOME's: the key of this executor's hop tags (wire.hop_tag)
