@@ -65,6 +65,38 @@ def test_reader_drains_messages_queued_before_and_after_it_exists(pair):
     assert after_calls  # the after-hook ran once per non-empty wake-up
 
 
+def test_a_handler_that_raises_loses_its_message_not_the_socket(pair, caplog):
+    """A bug on one message (the executor's replay check once raised KeyError) must not stop the
+    drain: the FD is edge-triggered, so the rest of the backlog would wait for a new message."""
+    a, b = pair
+    for i in range(6):
+        send_parts(a, [str(i).encode()])
+    got: list[bytes] = []
+
+    async def main() -> Reader:
+        loop = asyncio.get_running_loop()
+
+        def handler(msg: list) -> None:
+            if bytes(msg[0]) in (b"1", b"4"):
+                raise KeyError("a bug")
+            got.append(bytes(msg[0]))
+
+        r = Reader(loop, b, handler)
+        for _ in range(100):
+            await asyncio.sleep(0.005)
+            if len(got) == 4:
+                break
+        r.close()
+        return r
+
+    r = asyncio.run(main())
+    assert got == [b"0", b"2", b"3", b"5"]
+    assert r.handler_errors == 2
+    logged = [r.fields for r in caplog.records if r.getMessage() == "handler-failed"]
+    assert [f["count"] for f in logged] == [1, 2]
+    assert all(f["error"].startswith("KeyError") and f["at"].startswith("test_daemon_loop.py:") for f in logged)
+
+
 def test_a_timer_callback_that_raises_stops_no_other_timer():
     """One callback raising used to leave the timerfd unarmed: every later timer (an
     executor's heartbeats) waited for some other event to arm it again."""
