@@ -90,3 +90,10 @@ def setup(level: str = "info", stream: TextIO | None = None) -> None:
     root.addHandler(handler)
     root.setLevel(getattr(logging, level, logging.INFO))
     root.propagate = False
+
+
+def sampled(count: int) -> bool:
+    """Whether the ``count``-th occurrence of a repeated warning is logged: the 1st, 2nd, 4th,
+    8th, ... Why: events a peer can trigger at will (refused messages, handler failures) would
+    otherwise let one flood fill the journal; the count logged with each says how many there were."""
+    return count > 0 and count & (count - 1) == 0

@@ -172,6 +172,8 @@ def test_glue_contract_casts_checks_sizes_and_rejects_non_lists():
         run_glue(lambda o, f, s: [b"12345678"] * 9, data, meta, b"abcd", spec, 8)
     with pytest.raises(GlueError, match="does not match its meta"):
         run_glue(arrays, data[:5], meta, b"abcd", spec, 8)
+    with pytest.raises(GlueError, match="does not match its meta.*SyntaxError"):  # np.dtype(",") parses
+        run_glue(arrays, data, [[",", [2], "y"]], b"abcd", spec, 8)
 
 
 def test_glue_pool_errors_timeouts_crashes_and_import_errors():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import cuda_torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ppiped import wire
@@ -236,6 +236,53 @@ def test_a_forward_without_its_hop_tag_is_refused_and_the_chain_still_runs(sched
     # seen on a fresh VM, where the stale FORWARD's "(a replay)" warning is not sent)
     assert "forwards_replayed=1" in log, log
     assert "Traceback" not in log and "Exception in callback" not in log, log
+
+
+def _random_meta(rng):
+    """A FORWARD's tensor spec as a confused or hostile upstream might write it."""
+    dtypes = ["float32", "float16", "int64", "bool", "object", "<U3", "V8", "float128", "", "x", 7]
+    shape = [int(x) for x in rng.choice([-1, 0, 1, 2, 3, 2**31, 2**62], size=rng.integers(0, 4))]
+    spec = [dtypes[rng.integers(len(dtypes))], shape, "t" * int(rng.integers(0, 3))]
+    return [None, 0, "float32", [], [[]], spec, [spec], [spec, spec], spec[:2], [spec[0], 5, ""],
+            {"dtype": "float32"}, [1.5, [1], ""]][rng.integers(12)]
+
+
+def test_tagged_forwards_with_random_specs_and_frames_never_raise(sched, tmp_path):
+    """What a compromised upstream executor of the plan could send vGPU 1: FORWARDs tagged for
+    it (so past the tag check) with random tensor specs, frame counts and frame sizes, paths
+    and hops. Each is refused or run, none raises past the handler (the reader logs such a
+    bug as handler-failed), and the genuine chain still answers afterwards."""
+    cfg = write_config(tmp_path)
+    procs, idents, directory = chain(sched, cfg, tmp_path)
+    intruder = pusher_to(sched, directory[1])
+    rng = np.random.default_rng(30)
+    t = now_us()
+    for k in range(300):
+        bid = 1000 + k
+        path = [[0, 1], [0, 1], [0, 1, 0], [0, 7], [1, 1]][rng.integers(5)]
+        hop = int(rng.integers(1, len(path)))
+        starts = [t + int(rng.integers(-2000, 2000)) for _ in path]
+        tags = [wire.hop_tag(KEYS[1], bid, j, path[j], starts[j]) for j in range(1, len(path))]
+        ids = [int(i) for i in rng.integers(0, 2**40, size=rng.integers(1, 4))]
+        frames = [rng.bytes(int(rng.choice([0, 1, 4, 16, 4096]))) for _ in range(rng.integers(0, 4))]
+        intruder.send_multipart([wire.forward(bid, path, starts, hop, ids, _random_meta(rng), tags), *frames])
+    time.sleep(0.5)
+    sched.send(idents[0], dispatch(7, [0, 1], [now_us(), now_us()], [1]), b"genuine")
+    deadline = time.monotonic() + 10
+    while True:  # the intruder's batches that ran answer too (a RESULT or a failure); ours comes
+        ident, h, frames = sched.recv(T.RESULT, timeout_s=max(0.1, deadline - time.monotonic()))
+        if h.batch == 7:
+            break
+    assert (ident, h.ids, frames) == (idents[1], [1], [b"genuine"])
+    intruder.close(0)
+    for p in procs:
+        assert p.poll() is None, "an executor died"
+        p.terminate()
+        p.wait(timeout=10)
+    log = procs[1].stderr.read()
+    assert "handler-failed" not in log and "Traceback" not in log and "Exception in callback" not in log, log
+    # every kind of refusal is logged at its 1st, 2nd, 4th, ... occurrence only (peer input)
+    assert log.count("not-my-vgpu") <= 1 + math.log2(300) and "count=" in log, log
 
 
 def test_ort_partitions_fp16_hop_and_bad_frame(sched, tmp_path):
@@ -474,12 +521,18 @@ _SPEC = st.one_of(
        frames=st.one_of(st.lists(st.binary(max_size=48), min_size=2, max_size=2),
                         st.lists(st.binary(max_size=48), max_size=3)),
        n=st.integers(-1, 3))
+@example(meta=[",", None], frames=[b"", b""], n=0)  # np.dtype(",") raised SyntaxError
+@example(meta=[["float16", [1, 4, 2]], ["<f2", [1, 3]]], frames=[b"\0" * 16, b"\0" * 6], n=1)  # both spellings
 def test_a_forward_of_any_shape_is_an_error_text_never_an_exception(meta, frames, n):
     from ppiped.executor.onnxio import TensorSpec, feeds_from_frames
 
     specs = [TensorSpec("a", np.dtype("<f2"), (4, 2)), TensorSpec("b", np.dtype("<f2"), (3,))]
     out = feeds_from_frames(frames, meta, specs, n)
     assert isinstance(out, (str, dict))
+    if isinstance(out, dict):
+        assert [(a.dtype, a.shape) for a in out.values()] == [(s.dtype, (n, *s.shape)) for s in specs]
+    if meta == [["float16", [1, 4, 2]], ["<f2", [1, 3]]] and [len(f) for f in frames] == [16, 6] and n == 1:
+        assert isinstance(out, dict)  # a dtype by name or by str() is the same dtype
 
 
 def test_frames_past_the_tensor_cap_are_neither_received_nor_sent(sched, tmp_path):

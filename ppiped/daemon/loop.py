@@ -360,7 +360,7 @@ class Reader:
         unread until some other message came (a missing counter in the executor's FORWARD
         check did so). Logged at the 1st, 2nd, 4th, ... failure, with where it was raised."""
         self.handler_errors += 1
-        if self.handler_errors & (self.handler_errors - 1) == 0:
+        if logs.sampled(self.handler_errors):
             tb = e.__traceback__
             while tb is not None and tb.tb_next is not None:
                 tb = tb.tb_next

@@ -276,6 +276,7 @@ class Executor:
         self.exit_code = 0
         self.counters = {"batches": 0, "requests": 0, "forwarded": 0, "dropped_no_peer": 0,
                          "bad_peer_messages": 0, "forwards_refused": 0, "forwards_replayed": 0, "bad_jobs": 0,
+                         "not_my_vgpu": 0,
                          "run_us": 0,
                          "wait_us": 0, "loop_lag_max_us": 0}
         self.unreachable: set[int] = set()  # next hops given up on since the last heartbeat
@@ -720,9 +721,9 @@ class Executor:
             self.accept(Job(batch, path, starts, hop, ids, msg[1:], meta, now_us(), next(self.seq), tags))
         except wire.ProtocolError as e:
             self.counters["bad_peer_messages"] += 1
-            if self.counters["bad_peer_messages"] & (self.counters["bad_peer_messages"] - 1) == 0:
+            if logs.sampled(self.counters["bad_peer_messages"]):
                 log.warning("bad-message", source="peer", code=e.code, error=str(e),
-                            count=self.counters["bad_peer_messages"])  # 1st, 2nd, 4th, 8th, ...
+                            count=self.counters["bad_peer_messages"])
 
     def accept(self, job: Job) -> None:
         if job.batch in self.cancelled:
@@ -730,11 +731,14 @@ class Executor:
         if not (0 <= job.hop < len(job.path)) or len(job.starts) != len(job.path) or \
                 job.starts[job.hop] - job.ready_us > MAX_START_SKEW_US:
             self.counters["bad_jobs"] += 1
-            log.warning("bad-job", batch=job.batch, hop=job.hop, path=job.path[:8])
+            if logs.sampled(self.counters["bad_jobs"]):  # (peer input: a flood must not flood the journal)
+                log.warning("bad-job", batch=job.batch, hop=job.hop, path=job.path[:8], count=self.counters["bad_jobs"])
             return
         w = self.workers.get(job.path[job.hop])
         if w is None:
-            log.warning("not-my-vgpu", batch=job.batch, vgpu=job.path[job.hop])
+            self.counters["not_my_vgpu"] += 1
+            if logs.sampled(self.counters["not_my_vgpu"]):
+                log.warning("not-my-vgpu", batch=job.batch, vgpu=job.path[job.hop], count=self.counters["not_my_vgpu"])
             return
         w.push(job)
 

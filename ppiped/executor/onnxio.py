@@ -16,6 +16,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..errors import InputError
+from ..wire import brief
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.BFLOAT16)
 FP16_SUFFIX = "__fp16"
@@ -160,16 +161,18 @@ def feeds_from_frames(frames: list, meta, specs: list[TensorSpec], n: int) -> di
     feeds: dict[str, np.ndarray] = {}
     for k, spec in enumerate(specs):
         try:
-            dtype, shape = np.dtype(meta[k][0]), tuple(int(d) for d in meta[k][1])
+            # the dtype is compared as text, never parsed: np.dtype() runs a parser of its own
+            # on peer strings (',' raised SyntaxError, past the except below)
+            dtype, shape = meta[k][0], tuple(int(d) for d in meta[k][1])
         except (TypeError, ValueError, IndexError, KeyError, OverflowError):
             return f"malformed tensor spec for {spec.name} from the previous hop"
-        if dtype != spec.dtype or shape != (n, *spec.shape):
-            return (f"tensor {spec.name}: the previous hop sent {dtype} {list(shape)}, this partition "
-                    f"takes {spec.dtype} {[n, *spec.shape]}")
+        if dtype not in (spec.dtype.str, spec.dtype.name) or shape != (n, *spec.shape):
+            return (f"tensor {spec.name}: the previous hop sent {brief(dtype)} {brief(list(shape))}, this "
+                    f"partition takes {spec.dtype} {[n, *spec.shape]}")
         buf = getattr(frames[k], "buffer", frames[k])
         if len(buf) != n * spec.sample_bytes:
-            return f"tensor {spec.name}: {len(buf)} bytes, {list(shape)} {dtype} needs {n * spec.sample_bytes}"
-        feeds[spec.name] = np.frombuffer(buf, dtype=dtype).reshape(shape)
+            return f"tensor {spec.name}: {len(buf)} bytes, {list(shape)} {spec.dtype} needs {n * spec.sample_bytes}"
+        feeds[spec.name] = np.frombuffer(buf, dtype=spec.dtype).reshape(shape)
     return feeds
 
 

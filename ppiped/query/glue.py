@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import logs
+from ..wire import brief
 
 if TYPE_CHECKING:
     from .app import App
@@ -134,10 +135,11 @@ def split_outputs(data: bytes, meta: Any) -> list[np.ndarray]:
             n = int(np.prod(shape, dtype=np.int64))
             out.append(np.frombuffer(data, dtype=dt, count=n, offset=off).reshape(shape))
             off += n * dt.itemsize
-    except (TypeError, ValueError) as e:
-        raise GlueError(f"the parent's output ({len(data)} bytes) does not match its meta {meta!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - np.dtype parses strings itself (',' raised SyntaxError)
+        raise GlueError(f"the parent's output ({len(data)} bytes) does not match its meta {brief(meta)}: "
+                        f"{type(e).__name__}: {e}") from None
     if off != len(data):
-        raise GlueError(f"the parent's output has {len(data)} bytes, its meta {meta!r} describes {off}")
+        raise GlueError(f"the parent's output has {len(data)} bytes, its meta {brief(meta)} describes {off}")
     return out
 
 
