@@ -86,11 +86,15 @@ class Result:
         if not self.meta:
             return [np.frombuffer(self.data, dtype=np.uint8)]
         out, off = [], 0
-        for dtype, shape, _name in self.meta:
-            dt = np.dtype(dtype)
-            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            out.append(np.frombuffer(self.data, dtype=dt, count=n // dt.itemsize, offset=off).reshape(shape))
-            off += n
+        try:
+            for dtype, shape, _name in self.meta:
+                dt = np.dtype(dtype)
+                n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+                out.append(np.frombuffer(self.data, dtype=dt, count=n // dt.itemsize, offset=off).reshape(shape))
+                off += n
+        except Exception as e:  # noqa: BLE001 - np.dtype parses strings itself (',' raised SyntaxError)
+            raise ValueError(f"the reply's meta {wire.brief(self.meta)} does not describe its {len(self.data)} "
+                             f"bytes: {type(e).__name__}: {e}") from None
         return out
 
     def __repr__(self) -> str:

@@ -133,6 +133,9 @@ def test_client_result_and_errors():
     r = Result(y.tobytes() + z.tobytes(), [["<f4", [2, 3], "y"], ["<i8", [2], "z"]])
     a, b = r.arrays()
     assert a.shape == (2, 3) and a[1, 2] == 5 and list(b) == [1, 2]
+    for meta in ([[",", [2], "y"]], [["<f4", [11], "y"]], [["<f4", [2]]]):  # np.dtype(",") raised SyntaxError
+        with pytest.raises(ValueError, match="does not describe its 40 bytes"):
+            Result(y.tobytes() + z.tobytes(), meta).arrays()
     assert isinstance(error_for(Status.DROPPED, "deadline"), Dropped)
     e = error_for(Status.REJECTED, "unknown-model", "m")
     assert isinstance(e, Rejected) and e.reason == "unknown-model" and "m" in str(e)
