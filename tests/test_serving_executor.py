@@ -281,6 +281,7 @@ def test_tagged_forwards_with_random_specs_and_frames_never_raise(sched, tmp_pat
         p.wait(timeout=10)
     log = procs[1].stderr.read()
     assert "handler-failed" not in log and "Traceback" not in log and "Exception in callback" not in log, log
+    assert "handler_errors=0" in log, log
     # every kind of refusal is logged at its 1st, 2nd, 4th, ... occurrence only (peer input)
     assert log.count("not-my-vgpu") <= 1 + math.log2(300) and "count=" in log, log
 

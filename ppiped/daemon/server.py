@@ -1901,7 +1901,8 @@ class Server:
             "queued": len(self.reqs), "clients": len(self.peers), "client_identities": len(self.ident_gen),
             "overhead_us": self.overhead_us(),
             "wake_late_us": self._pcts(self.wake_late, self.n_wake),
-            "shed_us": self._pcts(self.shed_us, self.n_shed), "counters": dict(self.counters),
+            "shed_us": self._pcts(self.shed_us, self.n_shed),
+            "counters": {**self.counters, "handler_errors": sum(r.handler_errors for r in getattr(self, "readers", ()))},
             "core": self.core.stats(), "totals": self._totals(), "apps": self.queries.status(),
         }
 

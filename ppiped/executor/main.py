@@ -371,7 +371,8 @@ class Executor:
             self._discard(self.prep)
         await asyncio.sleep(0.05)  # let BYE leave
         self._close_zmq()
-        log.info("stop", vgpus=format_ranges(self.vgpus), **self.counters)
+        log.info("stop", vgpus=format_ranges(self.vgpus), **self.counters,
+                 handler_errors=self.ctl_reader.handler_errors + self.data_reader.handler_errors)
 
     def _close_zmq(self) -> None:
         if self.auth is not None:
