@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,34 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "ppipe
 MODELS_DIR = SHARED / "models"
 REFERENCE_DIR = SHARED / "reference-plans" / "maf21"
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class _HandlerFailures(logging.Handler):
+    """Records the event loop's ``handler-failed`` errors (see ``Reader._failed``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.seen: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage() == "handler-failed":
+            self.seen.append(getattr(record, "fields", {}))
+
+
+@pytest.fixture(autouse=True)
+def _no_socket_handler_raised(request):
+    """Every test fails if a socket handler of this process raised: the reader survives such a
+    bug (it loses the one message), so nothing else would show it. Subprocesses log it with its
+    traceback, which the tests that read their logs refuse."""
+    h = _HandlerFailures()
+    lg = logging.getLogger("ppiped.loop")
+    lg.addHandler(h)
+    try:
+        yield
+    finally:
+        lg.removeHandler(h)
+    if h.seen and request.node.get_closest_marker("handler_failures") is None:
+        pytest.fail(f"a socket handler raised: {h.seen[0].get('error')} at {h.seen[0].get('at')}")
 
 
 def run_cli(argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:

@@ -25,6 +25,7 @@ import itertools
 import os
 import signal
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -365,8 +366,10 @@ class Reader:
             while tb is not None and tb.tb_next is not None:
                 tb = tb.tb_next
             where = f"{tb.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno}" if tb else "?"
+            # the traceback itself too: it is a bug, and whoever reads the journal must find it
             _log.error("handler-failed", handler=getattr(self._handler, "__qualname__", repr(self._handler)),
-                       error=f"{type(e).__name__}: {e}"[:300], at=where, count=self.handler_errors)
+                       error=f"{type(e).__name__}: {e}"[:300], at=where, count=self.handler_errors,
+                       traceback="".join(traceback.format_exception(e))[-3000:])
 
     def _rest(self) -> None:
         """Behind for a while (a flood): stop watching the socket for a rest, so the process's
