@@ -1,4 +1,4 @@
-"""Random mutations of the embedded example's plan and profile (hypothesis): one to three fields
+"""Random mutations of the embedded example's plan, profile and serving config (hypothesis): one to three fields
 set to a value of any type, or deleted. Each document loads, or is refused with the error of its
 kind (what the CLI prints without a traceback); a plan that loads is checked, laid out and served
 on the simulator without any other exception. The hand-written cases of
@@ -15,9 +15,11 @@ from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 from ppiped.core.layout import Layout
+from ppiped.daemon.config import ConfigError, config_from_dict
 from ppiped.errors import UserError
 from ppiped.plan import check, plan_from_json
 from ppiped.profiles import profile_from_json
+from ppiped.readfile import read_toml
 from ppiped.sim.run import SimOptions, simulate
 from ppiped.sim.workload import generate
 
@@ -25,6 +27,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "plans" / "example"
 PLAN: dict[str, Any] = json.loads((EXAMPLE / "plan.json").read_text())
 PROFILE: dict[str, Any] = json.loads((EXAMPLE / "example.json").read_text())
 PROFILES = {"example": profile_from_json(PROFILE, "example.json")}
+CONFIG: dict[str, Any] = read_toml(EXAMPLE.parent / "ppiped.toml", ConfigError)
 
 VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.integers(-3, 5),
@@ -95,5 +98,16 @@ def test_a_mutated_plan_loads_or_is_refused_and_what_loads_is_served(d):
 def test_a_mutated_profile_loads_or_is_refused(d):
     try:
         profile_from_json(d, "fuzz.json")
+    except UserError as e:
+        note(f"refused: {e}")
+
+
+@settings(max_examples=300, deadline=None)
+@given(d=mutated(CONFIG))
+def test_a_mutated_serving_config_loads_or_is_refused(d):
+    """(The key a mutation sets may be unknown, a type TOML cannot even write, or a path to
+    nowhere: each is a ConfigError naming the key, which ``ppiped serve`` prints and exits 2.)"""
+    try:
+        config_from_dict(d, EXAMPLE.parent / "ppiped.toml")
     except UserError as e:
         note(f"refused: {e}")
