@@ -276,9 +276,7 @@ class Executor:
         self.exit_code = 0
         self.counters = {"batches": 0, "requests": 0, "forwarded": 0, "dropped_no_peer": 0,
                          "bad_peer_messages": 0, "forwards_refused": 0, "forwards_replayed": 0, "bad_jobs": 0,
-                         "not_my_vgpu": 0,
-                         "run_us": 0,
-                         "wait_us": 0, "loop_lag_max_us": 0}
+                         "not_my_vgpu": 0, "run_us": 0, "wait_us": 0, "loop_lag_max_us": 0}
         self.unreachable: set[int] = set()  # next hops given up on since the last heartbeat
         self.data_key = b""  # WELCOME's: the key of this executor's hop tags (wire.hop_tag)
         self.forwarded = Recent(FORWARDED_MEMORY)  # (batch, hop) taken: a hop runs once, a replay never

@@ -131,7 +131,8 @@ class Simulation:
         si[E.I_NIC] = int(opt.nic_fifo)
         si[E.I_ORACLE] = int(opt.oracle_latency)
         # oracle latency: each vGPU's first factor, from a stream of its own (counters 2^40 + v)
-        self.v_fac = np.array([E.jitter(si[E.I_SEED], (1 << 40) + v, opt.sigma) for v in range(V)])
+        self.v_fac = (np.array([E.jitter(si[E.I_SEED], (1 << 40) + v, opt.sigma) for v in range(V)])
+                      if opt.oracle_latency else np.ones(V))
         si[E.I_NROOT] = dag.n_roots
         si[E.I_STOP_LATE] = int(dag.stop_late)
         self.dq_i = dag.dq_i.copy()  # the loop moves a spawn's progress into it
