@@ -61,7 +61,7 @@ class Task:
 
 def _sweep(task: Task, plans_dir: str, models_dir: str, duration: float, seed: int, sigma: float,
            target: float, early: float, cv: float, nic: bool, paper_metric: bool = False,
-           trace_scale: str = "stretch", oracle: bool = False) -> dict:
+           trace_scale: str = "stretch", oracle: str = "") -> dict:
     """One sweep in a worker process; returns its JSON line."""
     from ppiped.sim.run import PointSpec
     from ppiped.sim.sweep import sweep
@@ -144,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--no-nic", action="store_true",
                     help="transfers never queue on shared NICs (contention only in the core's reservations)")
-    ap.add_argument("--oracle-latency", action="store_true",
-                    help="diagnostic: the core books each inference at the latency it will take (an upper "
-                         "reference for better latency estimates under --jitter, not a policy)")
+    ap.add_argument("--oracle-latency", nargs="?", const="all", default="", choices=("all", "first", "later"),
+                    help="diagnostic: the core books each inference (all; or only those of pipelines' first "
+                         "pools, or of the pools after them) at the latency it will take: an upper reference "
+                         "for better latency estimates under --jitter, not a policy")
     ap.add_argument("--traces", default="poisson,bursty")
     ap.add_argument("--cv", type=float, default=2.0, help="bursty: coefficient of variation of the gaps (default 2)")
     ap.add_argument("--trace-scale", choices=("stretch", "fold"), default="stretch",

@@ -198,7 +198,7 @@ def test_oracle_latency_books_what_each_inference_takes(policy):
     overload alike; with learned margins the same noise makes some late. The noise is real in
     both: the served latencies differ from the noise-free run's."""
     plan, profs, tr = overload_case()
-    opt = SimOptions(sigma=0.3, oracle_latency=True)
+    opt = SimOptions(sigma=0.3, oracle_latency="all")
     oracle = Simulation(plan, profs, tr, policy, 2, 0.05, opt)
     res = oracle.run()
     m = res.models[0]
@@ -206,10 +206,18 @@ def test_oracle_latency_books_what_each_inference_takes(policy):
     assert m.served + sum(m.drops.values()) == m.offered == len(tr)
     learned = simulate(plan, profs, tr, policy, jitter=0.3, seed=2, duration_s=0.05)
     assert learned.models[0].late > 0
-    quiet = Simulation(plan, profs, tr, policy, 2, 0.05, SimOptions(sigma=0.0, oracle_latency=True))
+    quiet = Simulation(plan, profs, tr, policy, 2, 0.05, SimOptions(sigma=0.0, oracle_latency="all"))
     quiet.run()
     ok = np.isfinite(oracle.r_end) & np.isfinite(quiet.r_end)
     assert not np.allclose(oracle.r_end[ok] - oracle.arr_t[ok], quiet.r_end[ok] - quiet.arr_t[ok])
+    # per stage: every request still ends once; no oracle at all is the plain run, bit for bit
+    for stages in ("first", "later"):
+        part = Simulation(plan, profs, tr, policy, 2, 0.05, SimOptions(sigma=0.3, oracle_latency=stages)).run()
+        assert sum(part.models[0].drops.values()) + part.models[0].served + part.models[0].late == len(tr)
+    off = Simulation(plan, profs, tr, policy, 2, 0.05, SimOptions(sigma=0.3, oracle_latency="")).run()
+    assert off.to_json(speed=False) == learned.to_json(speed=False)
+    with pytest.raises(ValueError, match="oracle_latency"):
+        Simulation(plan, profs, tr, policy, 2, 0.05, SimOptions(sigma=0.3, oracle_latency="yes"))
 
 
 def test_stop_below_target_stops_early_and_fails():

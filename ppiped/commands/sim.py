@@ -53,9 +53,10 @@ def add_world_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--noise-z", type=number(0, 10, hi_open=True), default=0.0,
                    help="deadline checks keep this many standard deviations of the path's latency "
                         "noise (default 0: none)")
-    p.add_argument("--oracle-latency", action="store_true",
-                   help="diagnostic: the core books each inference at the latency it will take (the "
-                        "jitter drawn ahead); an upper reference for better estimates, not a policy")
+    p.add_argument("--oracle-latency", nargs="?", const="all", default="", choices=("all", "first", "later"),
+                   help="diagnostic: the core books each inference (all; or only those of pipelines' first "
+                        "pools, or of the pools after them) at the latency it will take (the jitter drawn "
+                        "ahead); an upper reference for better estimates, not a policy")
     p.add_argument("--base-plan", type=existing_file, help="plan whose per-model throughput is load factor 1.0 "
                                        "(default: the _v4 sibling of a reference plan, else the plan itself)")
 

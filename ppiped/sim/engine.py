@@ -142,7 +142,7 @@ I_NIC = 21  # 1: transfers share the server NICs they use
 I_NIC_MAXN = 22  # most intervals a NIC row has held (growth check)
 I_STOP_LATE = 24  # 1: a query that failed spawns no more stages (0: hand-chained clients go on)
 I_NROOT = 23  # arrivals known up front (the rest are app stages, spawned by their parents)
-I_ORACLE = 25  # 1: the core books each inference at the latency it will take (SimOptions.oracle_latency)
+I_ORACLE = 25  # 1: the core books inferences at the latency they will take (SimOptions.oracle_latency)
 I_SIZE = 26
 
 # sf: float64 loop state
@@ -189,7 +189,7 @@ HF_READY = 2
 HF_START = 3
 HF_END = 4
 HF_TX = 5  # when the transfer into this hop started
-HF_FAC = 6  # the hop's latency factor, drawn when it was booked (oracle latency only)
+HF_FAC = 6  # the hop's latency factor, drawn when it was booked (oracle latency; NaN: drawn at its start)
 HF_SIZE = 7
 
 # request states
@@ -357,7 +357,7 @@ def _try_start(si, sf, now, v, v_head, v_run, v_timer, v_busy, j_next, bi, bhf, 
     v_head[v] = j_next[j]
     v_run[v] = j
     v_timer[v] = INF
-    if si[I_ORACLE] != 0:
+    if si[I_ORACLE] != 0 and bhf[b, k, HF_FAC] == bhf[b, k, HF_FAC]:  # (NaN: not this hop)
         fac = bhf[b, k, HF_FAC]
     else:
         n = si[I_USES]
@@ -769,8 +769,9 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
                     o_mg = off(A, X_V_MARGIN)
                     o_hi = off(A, X_V_MARGIN_HI)
                     for v in range(v_fac.shape[0]):
-                        F[o_mg + v] = v_fac[v]
-                        F[o_hi + v] = v_fac[v]
+                        if v_fac[v] == v_fac[v]:  # (NaN: a vGPU the oracle leaves to its margins)
+                            F[o_mg + v] = v_fac[v]
+                            F[o_hi + v] = v_fac[v]
                 if reactive:
                     st, _, _, wake = K.decide_reactive(A, now, fresh)
                 else:
@@ -838,9 +839,10 @@ def run_loop(A, si, sf, arr_t, arr_m, arr_p, slo, miss_allow, v_pool, v_server, 
                         if si[I_ORACLE] != 0:
                             v = bhi[b, k, HI_V]
                             bhf[b, k, HF_FAC] = v_fac[v]
-                            n = si[I_USES]
-                            si[I_USES] = n + 1
-                            v_fac[v] = jitter(si[I_SEED], n, sf[G_SIGMA])
+                            if v_fac[v] == v_fac[v]:
+                                n = si[I_USES]
+                                si[I_USES] = n + 1
+                                v_fac[v] = jitter(si[I_SEED], n, sf[G_SIGMA])
                         bhi[b, k, HI_UP] = -1
                         bhi[b, k, HI_DOWN] = -1
                         bhf[b, k, HF_T] = 0.0

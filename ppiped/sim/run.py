@@ -50,10 +50,12 @@ class SimOptions:
     takes bytes/bandwidth from the end of the upstream inference however many share the NIC, so
     NIC contention exists only in the core's reservations, which favours the reactive baseline
     that makes none.
-    ``oracle_latency``: the core books every inference at the latency it will take (each vGPU's
-    next jitter factor is drawn ahead and set as its margins before each decision, whatever
-    they learned from reports). Not a policy: an upper reference for what better latency estimates
-    could recover under ``sigma`` (``bench/figure6.py --oracle-latency``).
+    ``oracle_latency``: "all": the core books every inference at the latency it will take (each
+    vGPU's next jitter factor is drawn ahead and set as its margins before each decision, whatever
+    they learned from reports); "first" / "later": only the inferences of the vGPUs in pipelines'
+    first pools / in the pools after them; "": none. Not a policy: an upper reference for what
+    better latency estimates could recover under ``sigma``, and where (``bench/figure6.py
+    --oracle-latency``).
     """
 
     sigma: float = DEFAULT_SIGMA
@@ -72,7 +74,10 @@ class SimOptions:
     room_quantile: float = 0.995  # PARD: quantile of how late paths end that the learned room covers
     noise_z: float = 0.0  # deadline checks keep this many sds of the path's latency noise
     margin_quantile_hi: float = 0.99  # the margins' quantile while a model is under pressure and overloaded
-    oracle_latency: bool = False
+    oracle_latency: str = ""
+
+
+ORACLE_STAGES = ("", "all", "first", "later")
 
 
 class Simulation:
@@ -129,10 +134,15 @@ class Simulation:
         si[E.I_SEED] = np.array([E.mix64(np.uint64(self.seed & (2**64 - 1)))], dtype=np.uint64).view(np.int64)[0]
         si[E.I_K] = Kd
         si[E.I_NIC] = int(opt.nic_fifo)
-        si[E.I_ORACLE] = int(opt.oracle_latency)
-        # oracle latency: each vGPU's first factor, from a stream of its own (counters 2^40 + v)
-        self.v_fac = (np.array([E.jitter(si[E.I_SEED], (1 << 40) + v, opt.sigma) for v in range(V)])
-                      if opt.oracle_latency else np.ones(V))
+        if opt.oracle_latency not in ORACLE_STAGES:
+            raise ValueError(f"oracle_latency must be one of {ORACLE_STAGES}, got {opt.oracle_latency!r}")
+        si[E.I_ORACLE] = int(bool(opt.oracle_latency))
+        # oracle latency: each vGPU's first factor, from a stream of its own (counters 2^40 + v);
+        # NaN where the oracle leaves the vGPU to its learned margins
+        stage = np.asarray(lay.pool_stage)[np.asarray(lay.v_pool)]
+        on = {"": stage < 0, "all": stage >= 0, "first": stage == 0, "later": stage > 0}[opt.oracle_latency]
+        self.v_fac = np.array([E.jitter(si[E.I_SEED], (1 << 40) + v, opt.sigma) if on[v] else math.nan
+                               for v in range(V)])
         si[E.I_NROOT] = dag.n_roots
         si[E.I_STOP_LATE] = int(dag.stop_late)
         self.dq_i = dag.dq_i.copy()  # the loop moves a spawn's progress into it
@@ -447,7 +457,7 @@ class PointSpec:
     cluster: str | None = None  # cluster spec for reference plans (default: from their names)
     margin_quantile: float = 0.9
     noise_z: float = 0.0
-    oracle_latency: bool = False  # see SimOptions
+    oracle_latency: str = ""  # see SimOptions
 
     def sim_options(self, stop: bool = True, timeline_us: tuple[float, float] | None = None) -> SimOptions:
         """The options of one run: the fields above, the early stop only when ``stop``."""
