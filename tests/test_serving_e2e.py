@@ -563,7 +563,8 @@ def test_counters_never_go_backwards_when_a_replan_removes_and_re_adds_a_model(w
     def metrics() -> dict[str, float]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines()
-                                         if ln.startswith(("ppiped_requests_total", "ppiped_replies_total")))}
+                                         if ln.startswith(("ppiped_requests_total", "ppiped_replies_total",
+                                                             "ppiped_handler_errors_total")))}
 
     def replan(path: Path) -> None:
         rp = ctl.call(admin, {"cmd": "replan", "plan_file": str(path), "wait": True}, 60)
@@ -588,6 +589,7 @@ def test_counters_never_go_backwards_when_a_replan_removes_and_re_adds_a_model(w
         again = metrics()
         assert again['ppiped_requests_total{model="tiny2"}'] == 8
         assert again['ppiped_replies_total{model="tiny2",outcome="ok"}'] == 8
+        assert again["ppiped_handler_errors_total"] == 0
         st = c.status()
         assert st["totals"]["accepted"] == 13 and st["models"]["tiny2"]["accepted"] == 8
     except BaseException:
