@@ -5,6 +5,7 @@ client its request; the daemon's log holds no traceback."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import msgpack
@@ -28,7 +29,7 @@ def target():
         ctx = zmq.Context()
         socks = {}
         try:
-            for name, ep in (("client", conf.client), ("executor", conf.executor)):
+            for name, ep in (("client", conf.client), ("executor", conf.executor), ("ctl", conf.ctl)):
                 s = ctx.socket(zmq.DEALER)
                 s.setsockopt(zmq.LINGER, 0)
                 s.connect(ep)
@@ -65,6 +66,34 @@ def test_random_messages_never_hurt_the_daemon(target, to_client, to_executor):
     socks["executor"].send_multipart([to_executor[0], *to_executor[1]])
     while socks["executor"].poll(20):
         socks["executor"].recv_multipart()
+    assert c.server.poll() is None, "the daemon died"
+
+
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False), st.text(max_size=12)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=10)
+ctl_bodies = st.one_of(
+    st.binary(max_size=64),
+    st.builds(lambda v: json.dumps(v).encode(), json_values),
+    st.builds(lambda cmd, rest: json.dumps({"cmd": cmd, **rest}).encode(),
+              st.one_of(st.sampled_from(["status", "plan", "bogus", ""]), json_values).filter(
+                  lambda c: c not in ("stop", "reset-overhead")),  # (real commands, not input faults)
+              st.dictionaries(st.text(max_size=6), json_values, max_size=3)))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=ctl_bodies)
+def test_random_ctl_requests_are_answered_and_hurt_nothing(target, body):
+    """The ZeroMQ ctl endpoint (status for ppiped-ctl and the bench): any request body gets one
+    JSON answer, a status or an error naming what is wrong."""
+    c, socks = target
+    s = socks["ctl"]
+    s.send_multipart([b"", body])
+    assert s.poll(5000), f"no answer to ctl body {body!r}"
+    delim, reply = s.recv_multipart()
+    out = json.loads(reply)
+    assert isinstance(out, dict) and ("error" in out or "models" in out), out
     assert c.server.poll() is None, "the daemon died"
 
 
