@@ -153,7 +153,7 @@ def render(srv: Server) -> str:
     lines.append(f"ppiped_peer_unreachable_total {srv.counters.get('peer_unreachable', 0)}")
     head("ppiped_handler_errors_total", "counter",
          "Messages whose socket handler raised (a bug: the message is lost, the socket serves on).")
-    lines.append(f"ppiped_handler_errors_total {sum(r.handler_errors for r in getattr(srv, 'readers', ()))}")
+    lines.append(f"ppiped_handler_errors_total {srv.handler_errors}")
     head("ppiped_reservation_error_seconds", "summary", "|actual - reserved| end of each batch's last hop.")
     lines.append(f"ppiped_reservation_error_seconds_sum {m.res_err_sum_s:.9g}")
     lines.append(f"ppiped_reservation_error_seconds_count {m.res_err_n}")

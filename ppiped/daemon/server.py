@@ -1840,6 +1840,11 @@ class Server:
         self.ctl.send_multipart([*frames, json.dumps(out).encode()])
         self.ctl_reader.kick()
 
+    @property
+    def handler_errors(self) -> int:
+        """Messages whose socket handler raised, over every reader (see ``Reader._failed``)."""
+        return sum(r.handler_errors for r in getattr(self, "readers", ()))
+
     def all_stats(self) -> list[tuple[str, ModelStats]]:
         """Every model served since start, by name: the plan's, then those a replan removed
         (cumulative counts: totals and Prometheus counters never go backwards)."""
@@ -1902,7 +1907,7 @@ class Server:
             "overhead_us": self.overhead_us(),
             "wake_late_us": self._pcts(self.wake_late, self.n_wake),
             "shed_us": self._pcts(self.shed_us, self.n_shed),
-            "counters": {**self.counters, "handler_errors": sum(r.handler_errors for r in getattr(self, "readers", ()))},
+            "counters": {**self.counters, "handler_errors": self.handler_errors},
             "core": self.core.stats(), "totals": self._totals(), "apps": self.queries.status(),
         }
 

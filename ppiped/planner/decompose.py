@@ -247,23 +247,26 @@ class _Oracle:
         picks = self._picks()
         if _served(picks) < target:
             return None
-        used = self._used(picks)
-        if used.get(self.last, 0) > self.most_row.rhs or any(
-                used.get(g, 0) > cap for g, cap in zip(self.others, caps, strict=True)):
+        count = self._own_count(picks, caps)
+        if count is None or count > self.most_row.rhs:
             return None
-        return 0.0, float(used.get(self.last, 0)), picks
+        return 0.0, count, picks
 
     @staticmethod
     def _valued(m: mip.Model) -> bool:
         """Whether CBC holds a solution with a real objective value."""
         return bool(m.num_solutions) and m.objective_value is not None and abs(m.objective_value) < _NO_VALUE
 
-    @staticmethod
-    def _used(picks: list) -> dict[str, int]:
-        """A plan's GPUs per type under PPipe's rounding (a check on what CBC hands back)."""
+    def _own_count(self, picks: list, caps: tuple[int, ...]) -> float | None:
+        """A plan's GPUs of the last type under PPipe's rounding, or None where it breaks a cap
+        on the others: what CBC hands back is checked, never trusted (its GPU variables have
+        understated a plan's needs)."""
         from .milp import gpu_budget_used  # milp imports this module
 
-        return gpu_budget_used(_allocs(picks))
+        used = gpu_budget_used(_allocs(picks))
+        if any(used.get(g, 0) > cap for g, cap in zip(self.others, caps, strict=True)):
+            return None
+        return float(used.get(self.last, 0))
 
     def _pose(self, caps: tuple[int, ...], demand: float, known: float) -> None:
         self.demand_row.rhs = demand
@@ -299,14 +302,11 @@ class _Oracle:
         if not m.num_solutions:
             return max(0.0, lo), INF, None
         if st == mip.OptimizationStatus.OPTIMAL:
-            lo = max(lo, float(round(sum(v.x for v in self.last_gpus))))  # the gap is below one GPU
-        # the plan is judged and counted by its own GPUs under PPipe's rounding, not by CBC's GPU
-        # variables (under a cutoff those understated a fractional solution's; never trusted)
+            lo = max(lo, float(round(self.count.x)))  # the gap is below one GPU
         picks = self._picks()
-        used = self._used(picks)
-        if any(used.get(g, 0) > cap for g, cap in zip(self.others, caps, strict=True)):
+        val = self._own_count(picks, caps)
+        if val is None:
             return max(0.0, lo), INF, None
-        val = float(used.get(self.last, 0))
         return min(lo, val), val, picks
 
     def _picks(self) -> list:
